@@ -1,0 +1,63 @@
+"""Container HEALTHCHECK for the eagle3 images: standard library only, so it costs ~30 ms, not an import of torch.
+
+    python healthcheck.py api        GET http://127.0.0.1:$EAGLE3_API_PORT/health        (default 8000)
+    python healthcheck.py inference  GET http://127.0.0.1:$EAGLE3_INFERENCE_PORT/health  (default 30000)
+    python healthcheck.py redis      PING the Redis at $EAGLE3_REDIS_URL
+
+Exit 0 when healthy, 1 with the reason otherwise (Docker keeps the output in `docker inspect`).
+"""
+
+import os
+import socket
+import sys
+import urllib.error
+import urllib.request
+from urllib.parse import urlparse
+
+TIMEOUT_S = 5.0
+
+
+def http_ok(port_variable: str, default_port: int) -> str | None:
+    url = f"http://127.0.0.1:{os.environ.get(port_variable, default_port)}/health"
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+            return None if response.status == 200 else f"{url}: HTTP {response.status}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"{url}: {exc}"
+
+
+def redis_ok() -> str | None:
+    url = urlparse(os.environ.get("EAGLE3_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    try:
+        with socket.create_connection((url.hostname or "127.0.0.1", url.port or 6379), timeout=TIMEOUT_S) as sock:
+            if url.scheme == "rediss":
+                return None  # TLS: a TCP connect is as far as a standard-library check goes
+            if url.password:
+                user = url.username or "default"
+                sock.sendall(f"AUTH {user} {url.password}\r\n".encode())
+                sock.recv(64)
+            sock.sendall(b"PING\r\n")
+            answer = sock.recv(64)
+    except OSError as exc:
+        return f"redis {url.hostname}:{url.port}: {exc}"
+    return None if answer.startswith(b"+PONG") else f"redis {url.hostname}:{url.port}: answered {answer!r}"
+
+
+def main(argv: list[str]) -> int:
+    checks = {
+        "api": lambda: http_ok("EAGLE3_API_PORT", 8000),
+        "inference": lambda: http_ok("EAGLE3_INFERENCE_PORT", 30000),
+        "redis": redis_ok,
+    }
+    if len(argv) != 1 or argv[0] not in checks:
+        print(f"usage: healthcheck.py {{{','.join(checks)}}}", file=sys.stderr)
+        return 2
+    reason = checks[argv[0]]()
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

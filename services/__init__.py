@@ -1,0 +1,1 @@
+"""Thin entry points (FastAPI routes, Celery tasks, CLI commands) over `shared`."""

@@ -1,0 +1,346 @@
+"""`eagle3` job commands: submit, regenerate, status (with a live progress bar), jobs, cancel, resume, up, demo."""
+
+import argparse
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import redis
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from shared import progress
+from shared.errors import Eagle3Error
+from shared.local_stack import LocalStack
+from shared.schemas import Progress as JobProgress
+from shared.settings import Settings
+
+console = Console()
+logger = logging.getLogger(__name__)
+
+
+def _api(settings: Settings) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    return httpx.Client(base_url=settings.api_url, headers=headers, timeout=600)
+
+
+def _check(response: httpx.Response) -> dict:
+    if response.is_error:
+        detail = (
+            response.json().get("detail", response.text)
+            if "json" in response.headers.get("content-type", "")
+            else response.text
+        )
+        raise SystemExit(f"error {response.status_code}: {detail}")
+    return response.json()
+
+
+def _gb(n: float | None) -> str:
+    return "–" if n is None else f"{n / 1e9:.3f} GB"
+
+
+def progress_table(p: JobProgress) -> Table:
+    table = Table(title=f"job {p.job_id}: {p.state}", show_header=False)
+    eta = "–" if p.eta_seconds is None else f"{p.eta_seconds:.0f} s"
+    rows = [
+        (
+            "samples",
+            f"{p.samples_done} / {p.samples_total} committed, {p.samples_rejected} rejected, {p.samples_failed} failed",
+        ),
+        ("tokens", f"{p.tokens_done} / {p.tokens_total} ({p.tokens_failed} failed)"),
+        ("shards", f"{p.shards_committed} / {p.shards_total} committed, {p.shards_dead_lettered} dead-lettered"),
+        ("rate", f"{p.tokens_per_second:.0f} tokens/s, ETA {eta}, elapsed {p.elapsed_seconds:.0f} s"),
+        (
+            "storage",
+            f"{_gb(p.bytes_stored)} stored, {p.bytes_per_token:.0f} bytes/token, "
+            f"{_gb(p.projected_total_bytes)} projected",
+        ),
+        (
+            "budget",
+            "unlimited"
+            if p.storage_budget_bytes is None
+            else f"{_gb(p.storage_budget_bytes)}, headroom {_gb(p.budget_headroom_bytes)}",
+        ),
+    ]
+    if p.regeneration is not None:
+        r = p.regeneration
+        tokens = f"{p.tokens_done} / {p.tokens_total} projected (at most {r.max_generated_tokens})"
+        rows[1] = ("generated tokens", tokens)
+        rows[4:] = [
+            (
+                "conversations",
+                f"{r.turns_done} turns regenerated; {r.conversations_with_reasoning} with reasoning, "
+                f"{r.conversations_truncated} truncated at max_new_tokens, {r.conversations_empty} empty, "
+                f"{r.conversations_failed} failed",
+            ),
+            ("output", r.output_key + ("" if r.finalized else " (when every shard is committed)")),
+        ]
+        if r.chained_job_id is not None:
+            rows.append(("chained job", r.chained_job_id))
+        if r.error is not None:
+            rows.append(("error", r.error))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def watch(job_id: str, settings: Settings, *, interval_s: float = 0.5, alive: LocalStack | None = None) -> JobProgress:
+    """A live token-weighted progress bar until the job finishes."""
+    client = redis.Redis.from_url(settings.redis_url)
+
+    def read() -> JobProgress:
+        return progress.job_progress(
+            client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
+        )
+
+    p = read()
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} tokens"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("ETA {task.fields[eta]}"),
+        TimeElapsedColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task(job_id, total=p.tokens_total, rate="", eta="–")
+        while True:
+            p = read()
+            eta = "–" if p.eta_seconds is None else f"{p.eta_seconds:.0f}s"
+            bar.update(
+                task,
+                total=p.tokens_total,  # a regenerate job's total is a projection that settles as it runs
+                completed=p.tokens_done + p.tokens_failed,
+                rate=f"{p.tokens_per_second:.0f} tok/s",
+                eta=eta,
+                description=f"{job_id} [{p.state}] shards {p.shards_committed}/{p.shards_total}",
+            )
+            if p.finished:
+                break
+            if alive is not None:
+                alive.check_alive()
+            time.sleep(interval_s)
+    return p
+
+
+def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
+    spec = {
+        k: v
+        for k, v in {
+            "model_path": args.model,
+            "job_id": args.job_id,
+            "max_length": args.max_length,
+            "length_policy": args.length_policy,
+            "draft_vocab_size": args.draft_vocab_size,
+            "shard_token_budget": args.shard_token_budget,
+        }.items()
+        if v is not None
+    }
+    with _api(settings) as api:
+        if args.upload:
+            with open(args.dataset, "rb") as f:
+                job = _check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
+        else:
+            dataset = args.dataset if "://" in args.dataset else str(Path(args.dataset).resolve())
+            job = _check(api.post("/v1/jobs", json={**spec, "dataset_url": dataset}))
+    job_id = job["job"]["job_id"]
+    console.print(
+        f"submitted [bold]{job_id}[/]: {job['job']['samples_total']} samples "
+        f"({job['job']['samples_rejected']} rejected), {job['job']['tokens_total']} tokens, "
+        f"{job['job']['shards_total']} shards"
+    )
+    if args.watch:
+        console.print(progress_table(watch(job_id, settings)))
+
+
+def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
+    spec = {
+        k: v
+        for k, v in {
+            "kind": "regenerate",
+            "model_path": args.model,
+            "job_id": args.job_id,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "seed": args.seed,
+            "reasoning": args.reasoning,
+            "conversations_per_shard": args.conversations_per_shard,
+            "then_extract": args.then_extract or None,
+            "then_train": args.then_train or None,
+            "max_length": args.max_length,
+            "length_policy": args.length_policy,
+            "draft_vocab_size": args.draft_vocab_size,
+            "shard_token_budget": args.shard_token_budget,
+        }.items()
+        if v is not None
+    }
+    if args.out is not None:
+        spec["output_url"] = args.out if "://" in args.out else str(Path(args.out).resolve())
+    with _api(settings) as api:
+        if args.upload:
+            with open(args.dataset, "rb") as f:
+                job = _check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
+        else:
+            dataset = args.dataset if "://" in args.dataset else str(Path(args.dataset).resolve())
+            job = _check(api.post("/v1/jobs", json={**spec, "dataset_url": dataset}))
+    record = job["job"]
+    plan = record["regeneration"]
+    console.print(
+        f"submitted [bold]{record['job_id']}[/]: {record['samples_total']} conversations "
+        f"({record['samples_rejected']} rejected), {plan['assistant_turns_total']} assistant turns to regenerate, "
+        f"{record['shards_total']} shards; output {plan['output_key']}"
+        + (f" and {plan['output_url']}" if plan["output_url"] else "")
+    )
+    if plan["chained_job_id"]:
+        console.print(f"then extraction job [bold]{plan['chained_job_id']}[/] on the regenerated conversations")
+    if record["spec"]["then_train"]:
+        console.print(f"train on it with: eagle3 train --job {record['job_id']} --follow")
+    if not args.watch:
+        return
+    p = watch(record["job_id"], settings)
+    console.print(progress_table(p))
+    chained = p.regeneration.chained_job_id if p.regeneration else None
+    if chained is not None:
+        console.print(progress_table(watch(chained, settings)))
+
+
+def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
+    if args.watch:
+        p = watch(args.job_id, settings)
+    else:
+        p = progress.job_progress(
+            redis.Redis.from_url(settings.redis_url),
+            args.job_id,
+            window_s=settings.progress_window_s,
+            budget_bytes=settings.storage_budget_bytes,
+        )
+    if args.json:
+        print(p.model_dump_json(indent=2))
+    else:
+        console.print(progress_table(p))
+
+
+def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
+    client = redis.Redis.from_url(settings.redis_url)
+    table = Table("job", "kind", "state", "tokens", "samples", "shards", "dead", "tokens/s")
+    for job_id in progress.list_jobs(client):
+        p = progress.job_progress(client, job_id, window_s=settings.progress_window_s)
+        table.add_row(
+            job_id,
+            p.kind,
+            p.state,
+            f"{p.tokens_done}/{p.tokens_total}",
+            f"{p.samples_done}/{p.samples_total}",
+            f"{p.shards_committed}/{p.shards_total}",
+            str(p.shards_dead_lettered),
+            f"{p.tokens_per_second:.0f}",
+        )
+    console.print(table)
+
+
+def cmd_cancel(args: argparse.Namespace, settings: Settings) -> None:
+    with _api(settings) as api:
+        console.print(_check(api.post(f"/v1/jobs/{args.job_id}/cancel"))["state"])
+
+
+def cmd_resume(args: argparse.Namespace, settings: Settings) -> None:
+    with _api(settings) as api:
+        _check(api.post(f"/v1/jobs/{args.job_id}/resume"))
+    if args.watch:
+        console.print(progress_table(watch(args.job_id, settings)))
+
+
+def _exit_on_sigterm() -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
+    _exit_on_sigterm()
+    try:
+        with LocalStack(settings, workers=args.workers, log_dir=settings.home / "logs") as stack:
+            console.print(
+                f"stack up: producer {stack.api_url} (dashboard {stack.api_url}/dashboard), "
+                f"inference {stack.env['EAGLE3_INFERENCE_URL']}, {args.workers} workers; logs in "
+                f"{settings.home / 'logs'}. Ctrl-C stops everything."
+            )
+            while True:
+                stack.check_alive()
+                time.sleep(1)
+    except KeyboardInterrupt:
+        console.print("stopped")
+    except Eagle3Error as exc:
+        raise SystemExit(str(exc)) from exc
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="submit an extraction job to the producer API")
+    p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
+    p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
+    p.add_argument("--job-id")
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--length-policy", choices=["truncate", "reject"])
+    p.add_argument("--draft-vocab-size", type=int)
+    p.add_argument("--shard-token-budget", type=int)
+    p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
+    p.add_argument("--watch", action="store_true", help="show a live progress bar until the job finishes")
+    p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser(
+        "regenerate",
+        help="submit a regenerate job: the target rewrites every assistant turn (docs/regeneration.md)",
+        description="The extraction options (--max-length ... --shard-token-budget) apply to the chained extraction "
+        "job (--then-extract).",
+    )
+    p.add_argument("--dataset", required=True, help="JSONL path or URL (file://, s3://)")
+    p.add_argument("--out", help="also write the regenerated JSONL here (a path the workers can write, or s3://)")
+    p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
+    p.add_argument("--job-id")
+    p.add_argument("--max-new-tokens", type=int, help="per assistant turn (default 2048)")
+    p.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int, help="sampling seed (each turn derives its own)")
+    p.add_argument("--reasoning", choices=["keep", "drop"], help="keep (default) or drop <think>...</think> text")
+    p.add_argument("--conversations-per-shard", type=int, help="conversations per Celery task (default 64)")
+    p.add_argument("--then-extract", action="store_true", help="then extract the regenerated dataset (one job)")
+    p.add_argument("--then-train", action="store_true", help="mark for training; implies --then-extract")
+    p.add_argument("--max-length", type=int)
+    p.add_argument("--length-policy", choices=["truncate", "reject"])
+    p.add_argument("--draft-vocab-size", type=int)
+    p.add_argument("--shard-token-budget", type=int)
+    p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
+    p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
+    p.set_defaults(func=cmd_regenerate)
+
+    p = sub.add_parser("status", help="token-weighted progress of a job")
+    p.add_argument("job_id")
+    p.add_argument("--watch", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("jobs", help="list jobs")
+    p.set_defaults(func=cmd_jobs)
+
+    p = sub.add_parser("cancel", help="cancel a job: queued shards are skipped")
+    p.add_argument("job_id")
+    p.set_defaults(func=cmd_cancel)
+
+    p = sub.add_parser("resume", help="re-enqueue every shard without a manifest")
+    p.add_argument("job_id")
+    p.add_argument("--watch", action="store_true")
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("up", help="run the whole stack as local processes until Ctrl-C")
+    p.add_argument("--workers", type=int, default=2)
+    p.set_defaults(func=cmd_up)

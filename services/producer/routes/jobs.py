@@ -1,0 +1,154 @@
+"""/v1/jobs: submit (extract or regenerate), list, inspect, cancel, resume."""
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
+from pydantic import BaseModel, ValidationError
+
+from services.producer.deps import Authorized, EnqueueDep, RedisDep, RegenerateEnqueueDep, SettingsDep, StorageDep
+from shared import jobs, layout, progress, regeneration
+from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
+from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+class JobPublic(BaseModel):
+    job: JobRecord
+    progress: Progress
+
+
+def _submit(
+    spec: JobSpec,
+    settings: SettingsDep,
+    storage: StorageDep,
+    client: RedisDep,
+    enqueue: EnqueueDep,
+    enqueue_regenerate: RegenerateEnqueueDep,
+) -> JobPublic:
+    submit = regeneration.submit if spec.kind == "regenerate" else jobs.submit
+    try:
+        job = submit(
+            spec,
+            settings=settings,
+            storage=storage,
+            client=client,
+            enqueue=enqueue_regenerate if spec.kind == "regenerate" else enqueue,
+        )
+    except OverBudget as exc:
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(exc)) from exc
+    except DependencyUnavailable as exc:
+        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
+    except SubmitError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    return JobPublic(job=job, progress=_progress(job.job_id, settings, client))
+
+
+def _progress(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
+    try:
+        return progress.job_progress(
+            client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
+        )
+    except JobNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Authorized])
+def create_job(
+    spec: JobSpec,
+    settings: SettingsDep,
+    storage: StorageDep,
+    client: RedisDep,
+    enqueue: EnqueueDep,
+    enqueue_regenerate: RegenerateEnqueueDep,
+) -> JobPublic:
+    """Plan a job from a dataset already in storage or on a path the producer can read. `kind: "regenerate"`
+    rewrites the assistant turns with the target (docs/regeneration.md); otherwise hidden states are extracted."""
+    return _submit(spec, settings, storage, client, enqueue, enqueue_regenerate)
+
+
+@router.post("/upload", status_code=status.HTTP_201_CREATED, dependencies=[Authorized])
+def create_job_from_upload(
+    dataset: Annotated[UploadFile, File(description="JSONL dataset")],
+    spec: Annotated[str, Form(description="JobSpec as JSON, without dataset_url")],
+    settings: SettingsDep,
+    storage: StorageDep,
+    client: RedisDep,
+    enqueue: EnqueueDep,
+    enqueue_regenerate: RegenerateEnqueueDep,
+) -> JobPublic:
+    """Upload a dataset with the job; it is kept in storage as `{job_id}/dataset.jsonl`."""
+    try:
+        fields = json.loads(spec)
+        job_id = fields.get("job_id") or jobs.new_job_id()
+        key = f"{job_id}/dataset.jsonl"
+        fields.update(job_id=job_id, dataset_url=f"{storage.url.rstrip('/')}/{key}")
+        parsed = JobSpec.model_validate(fields)
+    except (json.JSONDecodeError, ValidationError, AttributeError) as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"spec: {exc}") from exc
+    storage.put(key, dataset.file.read())
+    return _submit(parsed, settings, storage, client, enqueue, enqueue_regenerate)
+
+
+@router.get("")
+def list_jobs(settings: SettingsDep, client: RedisDep) -> list[Progress]:
+    return [_progress(job_id, settings, client) for job_id in progress.list_jobs(client)]
+
+
+@router.get("/{job_id}")
+def get_job(job_id: str, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobPublic:
+    try:
+        job = jobs.load_job(storage, job_id)
+    except JobNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return JobPublic(job=job, progress=_progress(job_id, settings, client))
+
+
+@router.get("/{job_id}/rejected")
+def get_rejected(job_id: str, storage: StorageDep) -> list[RejectedSample]:
+    try:
+        data = storage.get(layout.rejected(job_id))
+    except KeyError as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id!r} not found") from exc
+    return [RejectedSample.model_validate_json(line) for line in data.splitlines() if line.strip()]
+
+
+@router.get("/{job_id}/failed")
+def get_failed(job_id: str, storage: StorageDep) -> list[FailedConversation]:
+    """A regenerate job's conversations that are not in its output, each with its reason."""
+    try:
+        job = jobs.load_job(storage, job_id)
+    except JobNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return regeneration.failed_conversations(storage, job_id) if job.kind == "regenerate" else []
+
+
+@router.post("/{job_id}/cancel", dependencies=[Authorized])
+def cancel_job(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
+    """Queued shards are skipped; shards already running finish and stay committed."""
+    try:
+        progress.cancel(client, job_id)
+    except JobNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return _progress(job_id, settings, client)
+
+
+@router.post("/{job_id}/resume", dependencies=[Authorized])
+def resume_job(
+    job_id: str,
+    settings: SettingsDep,
+    storage: StorageDep,
+    client: RedisDep,
+    enqueue: EnqueueDep,
+    enqueue_regenerate: RegenerateEnqueueDep,
+) -> Progress:
+    """Re-enqueue every shard without a manifest, after recounting progress from storage."""
+    try:
+        if jobs.load_job(storage, job_id).kind == "regenerate":
+            regeneration.resume(job_id, storage=storage, client=client, enqueue=enqueue_regenerate)
+        else:
+            jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
+    except JobNotFound as exc:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return _progress(job_id, settings, client)

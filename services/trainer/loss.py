@@ -1,0 +1,216 @@
+"""The whole EAGLE-3 training objective: the training-time test (TTT), step by step.
+
+What the drafter learns. The target read tokens x_0..x_{T-1}; at position t it left three aux states and its final
+(post-norm) state, whose lm_head distribution is its guess for x_{t+1}. In decoding, the drafter sits one token
+behind the target: it holds the target's features for position t *and* the token x_{t+1} the target already chose
+from them, and guesses x_{t+2}; then it keeps going on its own, feeding back its own hidden state. The TTT trains
+exactly that chain on stored data:
+
+    row t, step 0:  hidden = fc(aux[t]),               token x_{t+1}, RoPE position t     -> predicts x_{t+2}
+    row t, step i:  hidden = drafter output of step i-1, token x_{t+1+i}, position t + i    -> predicts x_{t+2+i}
+
+The teacher for row t at step i is the target's distribution at position t+1+i, restricted to the draft vocabulary
+and renormalised (soft cross-entropy, EAGLE-3's "forward KL" up to the constant target entropy). Attention follows
+EAGLE-3's TTT mask: step i at row t sees step 0's causal prefix (real target features) and its own rows of steps
+1..i (see `drafter.ttt_attention`), which is what the drafter's KV cache holds when it drafts i tokens ahead.
+
+Which rows count. `loss_mask[k] == 1` marks the tokens the drafter must learn to predict (assistant content and its
+end-of-turn, `shared/tokenization.py`), so row t at step i counts iff the token it predicts, x_{t+2+i}, is inside
+the sequence, not padding, and in the loss mask. SpecForge instead shifts the mask with the input ids
+(`loss_mask[t+i]`); we gate on the predicted token because that is what our mask means. Following EAGLE-3, a row
+whose target greedy token is outside the draft vocabulary adds nothing to the loss (the drafter can never propose
+it) but still counts as a miss for accuracy, as it would in decoding.
+
+Normalisation. Each step's loss is a mean over that step's counted rows; the total is sum_i step_decay**i * loss_i
+(EAGLE-3's 0.8**i). Accuracy at step i = (drafter argmax, mapped to a target id) == (target argmax), over counted rows.
+
+Two implementations of the per-step soft cross-entropy, picked by name from `SOFT_CROSS_ENTROPY_FUNCTIONS`:
+`soft_cross_entropy` is the readable reference (fp32 log-softmax over [B, T, V_draft] kept for backward), and
+`fused_soft_cross_entropy` computes the loss, its gradient and the argmax in one pass over the logits (compiled on
+CUDA) and keeps only the bf16 gradient for backward. Both give the same values.
+
+Checked against (read, not copied): sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.py (Steps 1-5.7:
+targets from the stored final state, position mask = t2d[target argmax] * loss mask, shift left per step, accuracy
+via d2t), specforge/modeling/target/target_head.py (`preprocess`: input ids and target shifted left once, EAGLE's
+offset), specforge/core/loss.py (soft cross-entropy), specforge/training/strategies/base.py (weights 0.8**i);
+SafeAILab/EAGLE eagle/traineagle3/cnets.py as summarised in shared/reference/speculators_eagle.md.
+"""
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.trainer.drafter import Eagle3Drafter, TargetHead, TTTCache
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor  # long [B, T]
+    loss_mask: Tensor  # long [B, T], 1 on tokens the drafter must learn to predict
+    aux_hidden_state: Tensor  # [B, T, 3H_t], three target layers concatenated, low to high
+    hidden_state: Tensor  # [B, T, H_t], the target's post-final-norm state (input to its lm_head)
+    attention_mask: Tensor  # bool [B, T], False on right padding
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(
+            input_ids=self.input_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            aux_hidden_state=self.aux_hidden_state.to(device),
+            hidden_state=self.hidden_state.to(device),
+            attention_mask=self.attention_mask.to(device),
+        )
+
+
+@dataclass
+class TTTOutput:
+    loss: Tensor  # scalar, sum_i step_decay**i * step_loss_i, the value to backpropagate
+    step_losses: list[float]  # per unrolled step, mean over that step's counted rows
+    step_accuracies: list[float]  # per unrolled step; 0.0 where a step has no counted rows
+    num_loss_tokens: int  # counted rows at step 0
+    step_num_tokens: list[int]  # counted rows per step (fewer later: the sequence ends sooner), for weighted means
+
+
+def shift_left(x: Tensor, n: int, fill: float | bool = 0) -> Tensor:
+    """x[:, t] <- x[:, t + n] along dim 1; the last n positions get `fill`."""
+    shifted = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        shifted[:, : x.shape[1] - n] = x[:, n:]
+    return shifted
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The per-step soft cross-entropy: logits [B, R, V_draft] against the teacher's distribution [B, R, V_draft],
+# summed over the rows where `learnable` [B, R] is set. Each returns (that sum, the drafter's argmax [B, R]).
+
+
+def soft_cross_entropy(logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:
+    """The eager reference; under autocast the logits come out bf16, the loss is fp32."""
+    cross_entropy = -(teacher_p * logits.float().log_softmax(-1)).sum(-1)  # (B, R)
+    return (cross_entropy * learnable).sum(), logits.argmax(-1)
+
+
+def soft_cross_entropy_with_grad(logits: Tensor, teacher_p: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused path's kernel, in plain tensor ops: sum(weight * cross_entropy), its gradient with respect to the
+    logits (in their dtype), and their argmax. d/dz of -sum_v p_v log_softmax(z)_v is sum(p) * softmax(z) - p."""
+    z = logits.float()  # (B, R, V_draft)
+    log_probs = z - z.logsumexp(-1, keepdim=True)  # (B, R, V_draft)
+    cross_entropy = -(teacher_p * log_probs).sum(-1)  # (B, R)
+    grad = weight[..., None] * (teacher_p.sum(-1, keepdim=True) * log_probs.exp() - teacher_p)  # (B, R, V_draft)
+    return (cross_entropy * weight).sum(), grad.to(logits.dtype), logits.argmax(-1)
+
+
+# On CUDA the kernel above is compiled into one fused reduction over the vocabulary; elsewhere (tests, fp32 CPU runs) it
+# runs as written. Set to False to run it as written on CUDA too, e.g. where torch.compile is unavailable.
+COMPILE_KERNEL_ON_CUDA = True
+
+
+@functools.cache
+def _compiled_soft_cross_entropy_with_grad() -> Callable:
+    return torch.compile(soft_cross_entropy_with_grad, dynamic=True)  # dynamic: rows shrink every step, batches vary
+
+
+class _FusedSoftCrossEntropy(torch.autograd.Function):
+    """The gradient is computed in forward, so backward keeps one bf16 tensor instead of fp32 log-probabilities."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
+        kernel = _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
+        total, grad, argmax = kernel(logits, teacher_p, learnable.float())
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total, None, None
+
+
+def fused_soft_cross_entropy(logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # evaluation: no gradient to precompute
+        return soft_cross_entropy(logits, teacher_p, learnable)
+    return _FusedSoftCrossEntropy.apply(logits, teacher_p, learnable)
+
+
+SOFT_CROSS_ENTROPY_FUNCTIONS = {"eager": soft_cross_entropy, "fused": fused_soft_cross_entropy}
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    target_head: TargetHead,
+    batch: Batch,
+    *,
+    ttt_length: int = 7,
+    step_decay: float = 0.8,
+    loss_implementation: str = "fused",
+) -> TTTOutput:
+    """The TTT loss of one batch and its per-step metrics. A batch shorter than 3 tokens has no row to learn
+    from; its loss is a zero without gradient, so the caller should not step on it. `loss_implementation` names
+    the per-step soft cross-entropy in SOFT_CROSS_ENTROPY_FUNCTIONS."""
+    B, T = batch.input_ids.shape  # batch size, sequence length (right-padded)
+    device = batch.input_ids.device
+    soft_cross_entropy_sum = SOFT_CROSS_ENTROPY_FUNCTIONS[loss_implementation]
+
+    # Step 1: the teacher. Position t of the target predicts token t+1; only its draft-vocab part is learnable.
+    with torch.no_grad():
+        # Under autocast the logits are bf16; argmax and the fp32 softmax read them as they are (an exact upcast),
+        # so the full vocabulary never gets an fp32 copy.
+        target_logits = target_head(batch.hidden_state)  # (B, T, V_target)
+        target_token = target_logits.argmax(-1)  # (B, T) the target's greedy next token
+        target_in_draft = drafter.t2d[target_token]  # (B, T) could the drafter propose it at all?
+        draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
+        target_p = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)  # (B, T, V_draft)
+        del target_logits
+        predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
+
+    # Step 2: step 0's hidden state is the projection of the target's three aux layers.
+    hidden = drafter.project_hidden_states(batch.aux_hidden_state)  # (B, T, 3H_t) -> (B, T, H)
+    position_ids = torch.arange(T, device=device).expand(B, T)
+    # Right padding needs no extra mask: under the causal prefix no real row ever sees a padded key.
+    cache = TTTCache()
+
+    # Step 3: unroll. Each step appends its keys to the cache, so step i attends steps 0..i (the TTT mask).
+    zero = torch.zeros((), device=device)
+    step_losses, step_correct, step_counted = [zero] * ttt_length, [zero] * ttt_length, [zero] * ttt_length
+    for i in range(ttt_length):
+        rows = T - 2 - i  # rows t whose predicted token x_{t+2+i} lies inside the sequence
+        if rows <= 0:  # the sequence ends before this step reaches anything; so do all later steps
+            break
+
+        # Step 3.1: row t takes token t+1+i (EAGLE's shift of one, plus one per step) at position t+i.
+        input_embeds = drafter.embed_input_ids(shift_left(batch.input_ids, 1 + i))  # (B, T, H)
+        hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache)  # (B, T, H), fed forward
+
+        # Step 3.2: logits for the rows that have a target.
+        logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
+        teacher = target_p[:, 1 + i : 1 + i + rows]  # (B, rows, V_draft) distribution of x_{t+2+i}
+        counted = predictable[:, 2 + i : 2 + i + rows]  # (B, rows)
+        learnable = counted & target_in_draft[:, 1 + i : 1 + i + rows]  # (B, rows)
+        step_counted[i] = counted.sum()
+
+        # Step 3.3: soft cross-entropy against the teacher, mean over counted rows.
+        cross_entropy_sum, proposed = soft_cross_entropy_sum(logits, teacher, learnable)  # (), (B, rows) draft ids
+        step_losses[i] = cross_entropy_sum / step_counted[i].clamp(min=1)
+
+        # Step 3.4: top-1 agreement in target ids, what greedy verification would accept.
+        with torch.no_grad():
+            proposed = drafter.draft_to_target(proposed)  # (B, rows)
+            step_correct[i] = ((proposed == target_token[:, 1 + i : 1 + i + rows]) & counted).sum()
+
+    # Step 4: later steps matter less; EAGLE-3 weights step i by step_decay**i (Python floats: no host-to-device copy).
+    loss = sum(step_decay**i * step_loss for i, step_loss in enumerate(step_losses))
+    # One host sync for all the logged numbers, not one per step (it stalls the GPU).
+    losses, correct, counted_rows = torch.stack(
+        [torch.stack(step_losses).detach(), torch.stack(step_correct).float(), torch.stack(step_counted).float()]
+    ).tolist()
+    return TTTOutput(
+        loss=loss,  # type: ignore[arg-type]
+        step_losses=losses,
+        step_accuracies=[c / n if n else 0.0 for c, n in zip(correct, counted_rows, strict=True)],
+        num_loss_tokens=int(counted_rows[0]),
+        step_num_tokens=[int(n) for n in counted_rows],
+    )

@@ -1,0 +1,35 @@
+"""The Celery app, configured once from the settings with the delivery semantics of DESIGN.md."""
+
+from celery import Celery
+
+from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK, REGENERATE_TASK
+from shared.settings import get_settings
+
+settings = get_settings()
+app = Celery("eagle3", broker=settings.redis_url, include=["services.worker.tasks"])
+transport_options = {
+    "visibility_timeout": settings.visibility_timeout_s,
+    # How soon after the visibility timeout a dead worker's unacked shard is queued again (kombu's default
+    # sweep is about 100 s; one cheap Redis query per interval).
+    "unacked_restore_interval": settings.redelivery_sweep_s,
+    "unacked_restore_throttle": 1,
+}
+app.conf.update(
+    task_acks_late=True,  # a shard is acknowledged only after its manifest is committed
+    task_reject_on_worker_lost=True,  # a killed child puts its shard back instead of acking it
+    worker_prefetch_multiplier=1,
+    broker_transport_options=transport_options,
+    result_backend_transport_options=transport_options,
+    visibility_timeout=settings.visibility_timeout_s,
+    task_ignore_result=True,  # manifests in storage are the results
+    task_default_queue=EXTRACT_QUEUE,
+    # One queue for both kinds of shard: every worker takes either, and KEDA scales on one list.
+    task_routes={EXTRACT_TASK: {"queue": EXTRACT_QUEUE}, REGENERATE_TASK: {"queue": EXTRACT_QUEUE}},
+    worker_soft_shutdown_timeout=settings.soft_shutdown_timeout_s,
+    worker_enable_soft_shutdown_on_idle=True,
+    worker_send_task_events=True,
+    task_send_sent_event=True,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+)
+app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py

@@ -1,0 +1,3 @@
+"""The library every service imports: settings, schemas, storage, tokenization, extraction, progress."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,124 @@
+"""A small offline chat dataset for demos and tests, built from two data wheels.
+
+chatterbot-corpus (BSD) gives short question -> answer dialogs; chitchat-dataset (MIT) gives long casual
+human-human chats. Half of the output comes from each, picked and shuffled by a seeded RNG, written as
+OpenAI `messages` JSONL with an `id` naming the source. Turns alternate user/assistant starting with
+the user, runs of whitespace and blank lines are collapsed, and long chats are cut at a whole
+assistant turn so that every conversation stays under about 400 SmolLM2 tokens, default system
+prompt included.
+"""
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+import random
+from pathlib import Path
+
+import yaml
+
+from shared.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+# ~4 characters per token for English, plus ~5 template tokens per turn and ~20 for SmolLM2's default
+# system prompt: 8 turns of at most 1,000 characters in all stay below 400 tokens.
+MAX_TURNS = 8
+MAX_CHARS = 1000
+
+Dialog = tuple[str, list[str]]  # (id, turns in speaking order, first speaker = user)
+
+
+def write_demo_dataset(out_path: Path, *, num_conversations: int = 200, seed: int = 0) -> Path:
+    """Write `num_conversations` conversations to `out_path` (JSONL); the same seed gives the same bytes."""
+    if num_conversations < 1:
+        raise ConfigurationError(f"num_conversations={num_conversations}: must be at least 1")
+    rng = random.Random(seed)
+    chatterbot = _usable(_chatterbot_dialogs())
+    chitchat = _usable(_chitchat_dialogs())
+    num_chatterbot = num_conversations // 2
+    num_chitchat = num_conversations - num_chatterbot
+    if num_chatterbot > len(chatterbot) or num_chitchat > len(chitchat):
+        raise ConfigurationError(
+            f"num_conversations={num_conversations}: only {len(chatterbot)} chatterbot and {len(chitchat)} "
+            "chitchat conversations are usable"
+        )
+    picked = rng.sample(chatterbot, num_chatterbot) + rng.sample(chitchat, num_chitchat)
+    rng.shuffle(picked)
+
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = out_path.with_name(f".{out_path.name}.tmp")
+    with tmp_path.open("w", encoding="utf-8") as out:
+        for dialog_id, messages in picked:
+            out.write(json.dumps({"id": dialog_id, "messages": messages}, ensure_ascii=False) + "\n")
+    # Readers never see a half-written dataset.
+    os.replace(tmp_path, out_path)
+    logger.info("wrote %d demo conversations (seed %d) to %s", len(picked), seed, out_path)
+    return out_path
+
+
+def _package_dir(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigurationError(f"demo data needs the {name.replace('_', '-')} package (pip install --no-deps)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _chatterbot_dialogs() -> list[Dialog]:
+    english = _package_dir("chatterbot_corpus") / "data" / "english"
+    dialogs = []
+    for path in sorted(glob.glob(str(english / "*.yml"))):
+        with open(path, encoding="utf-8") as file:
+            data = yaml.safe_load(file) or {}
+        for index, turns in enumerate(data.get("conversations", [])):
+            dialogs.append((f"chatterbot-{Path(path).stem}-{index}", [str(turn) for turn in turns]))
+    return dialogs
+
+
+def _chitchat_dialogs() -> list[Dialog]:
+    # Read the JSON directly: the package's Dataset class leaves the file open.
+    with (_package_dir("chitchat_dataset") / "dataset.json").open(encoding="utf-8") as file:
+        data = json.load(file)
+    dialogs = []
+    for key in sorted(data):
+        turns: list[str] = []
+        last_sender = None
+        # Each group holds consecutive utterances of one sender; two groups in a row from the same
+        # sender are merged too, so that roles alternate.
+        for group in data[key]["messages"]:
+            text = " ".join(utterance["text"] for utterance in group)
+            sender = group[0]["sender"] if group else None
+            if turns and sender == last_sender:
+                turns[-1] = f"{turns[-1]} {text}"
+            else:
+                turns.append(text)
+            last_sender = sender
+        dialogs.append((f"chitchat-{key}", turns))
+    return dialogs
+
+
+def _clean(text: str) -> str:
+    # Collapse runs of spaces inside lines and drop blank lines, but keep line breaks and indentation,
+    # which carry meaning in chatterbot's code answers.
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(line[: len(line) - len(line.lstrip())] + " ".join(line.split()) for line in lines)
+
+
+def _usable(dialogs: list[Dialog]) -> list[tuple[str, list[dict[str, str]]]]:
+    """Cleaned and capped `messages` lists; dialogs without one whole user -> assistant exchange are dropped."""
+    usable = []
+    for dialog_id, turns in dialogs:
+        kept: list[str] = []
+        num_chars = 0
+        for turn in turns:
+            text = _clean(turn)
+            if not text or len(kept) == MAX_TURNS or num_chars + len(text) > MAX_CHARS:
+                break
+            kept.append(text)
+            num_chars += len(text)
+        del kept[len(kept) - len(kept) % 2 :]  # end on an assistant turn
+        if kept:
+            roles = ("user", "assistant")
+            usable.append((dialog_id, [{"role": roles[i % 2], "content": text} for i, text in enumerate(kept)]))
+    return usable

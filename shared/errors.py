@@ -1,0 +1,68 @@
+"""Domain exceptions. Every error names what failed (sample, shard, field) and why."""
+
+
+class Eagle3Error(Exception):
+    """Base class of every error this project raises on purpose."""
+
+
+class ConfigurationError(Eagle3Error):
+    """A setting or job spec value that cannot work."""
+
+
+class InvalidSample(Eagle3Error):
+    """One dataset record that cannot become a training sample; the rest of the job goes on."""
+
+    def __init__(self, sample_id: str, field: str, reason: str) -> None:
+        super().__init__(f"sample {sample_id}: {field}: {reason}")
+        self.sample_id, self.field, self.reason = sample_id, field, reason
+
+
+class SubmitError(Eagle3Error):
+    """A job cannot be submitted (missing dataset or model, unreachable storage or queue)."""
+
+
+class DependencyUnavailable(SubmitError):
+    """Redis or storage cannot be reached at submit time."""
+
+
+class OverBudget(SubmitError):
+    """The job's projected storage exceeds the configured budget."""
+
+
+class JobNotFound(Eagle3Error):
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} not found")
+        self.job_id = job_id
+
+
+class TransientError(Eagle3Error):
+    """An outage that a retry with backoff can fix."""
+
+
+class InferenceUnavailable(TransientError):
+    """The inference server refused, timed out, or answered 5xx."""
+
+
+class StorageUnavailable(TransientError):
+    """The object store refused, timed out, throttled, or is full."""
+
+
+class ProducerUnavailable(TransientError):
+    """The producer API (which a finishing regeneration asks to submit the chained job) cannot be reached."""
+
+
+class InferenceProtocolError(Eagle3Error):
+    """The inference server answered 4xx or something that does not follow the capture protocol."""
+
+
+class ShardValidationError(Eagle3Error):
+    """Captured hidden states failed a check before commit; nothing of the shard is committed."""
+
+    def __init__(self, job_id: str, shard_index: int, sample_id: str, field: str, reason: str) -> None:
+        super().__init__(f"job {job_id} shard {shard_index} sample {sample_id}: {field}: {reason}")
+        self.job_id, self.shard_index = job_id, shard_index
+        self.sample_id, self.field, self.reason = sample_id, field, reason
+
+
+class ModelMismatch(Eagle3Error):
+    """The inference server serves a model other than the one the job was planned for."""

@@ -1,0 +1,354 @@
+"""Progress accounting in Redis: exactly-once counters per committed or dead-lettered shard, shard events,
+and the token-weighted view (rate, ETA, bytes, budget) that the API, the CLI and /metrics all show.
+
+Storage is the truth (a shard exists iff its manifest exists); Redis holds counters that `rebuild()`
+can recompute from storage at any time.
+"""
+
+import json
+import time
+
+import redis
+from pydantic import BaseModel
+
+from shared import layout
+from shared.errors import JobNotFound
+from shared.schemas import DeadLetter, JobRecord, Manifest, Progress, RegenerationManifest, RegenerationProgress
+from shared.storage import Storage
+
+JOBS_INDEX = "eagle3:jobs"
+COUNTERS = (
+    "samples_done",
+    "tokens_done",
+    "bytes_stored",
+    "shards_committed",
+    "shards_dead",
+    "samples_failed",
+    "tokens_failed",
+)
+# Regenerate jobs only: added per committed shard from its manifest's `counters`.
+REGENERATION_COUNTERS = (
+    "turns_done",
+    "conversations_with_reasoning",
+    "conversations_truncated",
+    "conversations_empty",
+    "conversations_failed",
+)
+# Fields of the job hash that are not numbers.
+_TEXT_FIELDS = ("storage_url", "created_at", "created_ts", "kind", "chained_job_id", "output_key", "finalize_error")
+
+
+def job_key(job_id: str) -> str:
+    return f"eagle3:job:{job_id}"
+
+
+def committed_key(job_id: str) -> str:
+    return f"eagle3:job:{job_id}:committed"
+
+
+def dead_key(job_id: str) -> str:
+    return f"eagle3:job:{job_id}:dead"
+
+
+def events_key(job_id: str) -> str:
+    """The shard event stream the trainer follows (XADD per committed or dead-lettered shard)."""
+    return f"eagle3:job:{job_id}:events"
+
+
+# Counting happens in one script so a redelivered shard, or two workers committing the same shard,
+# can never count twice: set membership decides, atomically, whether this commit is the first.
+_RECORD_COMMIT = """
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+if redis.call('SREM', KEYS[3], ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'shards_dead', -1)
+  redis.call('HINCRBY', KEYS[1], 'samples_failed', -tonumber(ARGV[2]))
+  redis.call('HINCRBY', KEYS[1], 'tokens_failed', -tonumber(ARGV[3]))
+end
+redis.call('HINCRBY', KEYS[1], 'shards_committed', 1)
+redis.call('HINCRBY', KEYS[1], 'samples_done', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'tokens_done', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'bytes_stored', ARGV[4])
+for i = 6, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+redis.call('XADD', KEYS[4], '*', 'event', 'committed', 'shard_index', ARGV[1], 'samples', ARGV[2],
+           'tokens', ARGV[3], 'bytes', ARGV[4], 'manifest', ARGV[5])
+return 1
+"""
+
+_RECORD_DEAD = """
+if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
+if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], 'shards_dead', 1)
+redis.call('HINCRBY', KEYS[1], 'samples_failed', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'tokens_failed', ARGV[3])
+redis.call('XADD', KEYS[4], '*', 'event', 'dead_lettered', 'shard_index', ARGV[1], 'samples', ARGV[2],
+           'tokens', ARGV[3], 'reason', ARGV[4])
+return 1
+"""
+
+
+def _keys(job_id: str) -> list[str]:
+    return [job_key(job_id), committed_key(job_id), dead_key(job_id), events_key(job_id)]
+
+
+def register_job(client: redis.Redis, job: JobRecord, storage_url: str) -> None:
+    created = time.time()
+    regeneration = {}
+    if job.regeneration is not None:
+        regeneration = {
+            "max_generated_tokens": job.regeneration.max_generated_tokens,
+            "output_key": job.regeneration.output_key,
+            **{name: 0 for name in REGENERATION_COUNTERS},
+        }
+    with client.pipeline() as pipe:
+        pipe.hset(
+            job_key(job.job_id),
+            mapping={
+                "kind": job.kind,
+                **regeneration,
+                "storage_url": storage_url,
+                "created_ts": created,
+                "created_at": job.created_at,
+                "samples_total": job.samples_total,
+                "samples_rejected": job.samples_rejected,
+                "tokens_total": job.tokens_total,
+                "shards_total": job.shards_total,
+                "projected_bytes": job.projected_bytes,
+                **{name: 0 for name in COUNTERS},
+            },
+        )
+        pipe.zadd(JOBS_INDEX, {job.job_id: created})
+        pipe.execute()
+
+
+def record_commit(client: redis.Redis, manifest: Manifest | RegenerationManifest) -> bool:
+    """Count a committed shard once (with a regeneration manifest's counters); True if this call counted it."""
+    args: list[str | int] = [
+        manifest.shard_index,
+        manifest.num_samples,
+        manifest.num_tokens,
+        manifest.bytes,
+        layout.manifest(manifest.job_id, manifest.shard_index),
+    ]
+    for name, value in getattr(manifest, "counters", {}).items():
+        args += [name, value]
+    return bool(client.eval(_RECORD_COMMIT, 4, *_keys(manifest.job_id), *args))
+
+
+def mark_finalized(client: redis.Redis, job_id: str, *, chained_job_id: str | None, error: str | None) -> None:
+    """A regenerate job's dataset is assembled (and its chained job submitted, or why not)."""
+    fields: dict[str, str | int] = {"finalized": 1}
+    if chained_job_id is not None:
+        fields["chained_job_id"] = chained_job_id
+    if error is not None:
+        fields["finalize_error"] = error[:2000]
+    client.hset(job_key(job_id), mapping=fields)
+
+
+def record_finalize_error(client: redis.Redis, job_id: str, error: str) -> None:
+    """Assembling or chaining failed for good: the job ends completed_with_errors, with the reason."""
+    client.hset(job_key(job_id), mapping={"finalize_error": error[:2000]})
+
+
+def record_dead_letter(client: redis.Redis, letter: DeadLetter, *, num_samples: int, num_tokens: int) -> bool:
+    args = [letter.shard_index, num_samples, num_tokens, letter.reason[:2000]]
+    return bool(client.eval(_RECORD_DEAD, 4, *_keys(letter.job_id), *args))
+
+
+def cancel(client: redis.Redis, job_id: str) -> None:
+    require_job(client, job_id)
+    client.hset(job_key(job_id), "cancelled", 1)
+
+
+def is_cancelled(client: redis.Redis, job_id: str) -> bool:
+    return client.hget(job_key(job_id), "cancelled") == b"1"
+
+
+def require_job(client: redis.Redis, job_id: str) -> dict[str, str]:
+    fields = {k.decode(): v.decode() for k, v in client.hgetall(job_key(job_id)).items()}
+    if not fields:
+        raise JobNotFound(job_id)
+    return fields
+
+
+def list_jobs(client: redis.Redis, limit: int = 100) -> list[str]:
+    return [j.decode() for j in client.zrevrange(JOBS_INDEX, 0, limit - 1)]
+
+
+class _CommittedShard(BaseModel):
+    """What counting needs of a manifest of either kind."""
+
+    shard_index: int
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    counters: dict[str, int] = {}
+
+
+def shard_size(storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]:
+    """(samples, prompt tokens) of a planned shard; a regeneration shard has no prompt tokens planned."""
+    shard = json.loads(storage.get(layout.shard_input(job_id, shard_index)))
+    samples = shard["samples"] if "samples" in shard else shard["conversations"]
+    return len(samples), sum(len(s.get("input_ids", ())) for s in samples)
+
+
+def rebuild(client: redis.Redis, storage: Storage, job: JobRecord) -> None:
+    """Recompute every counter from storage (manifests and dead letters are the truth)."""
+    shards: dict[int, tuple[int, int]] = {}
+    committed: list[_CommittedShard] = []
+    for key in storage.list(layout.manifests_prefix(job.job_id)):
+        committed.append(_CommittedShard.model_validate_json(storage.get(key)))
+    dead: list[DeadLetter] = []
+    committed_indices = {m.shard_index for m in committed}
+    for key in storage.list(layout.dead_letter_prefix(job.job_id)):
+        letter = DeadLetter.model_validate_json(storage.get(key))
+        if letter.shard_index not in committed_indices:
+            dead.append(letter)
+    for letter in dead:
+        shards[letter.shard_index] = shard_size(storage, job.job_id, letter.shard_index)
+    counters = COUNTERS + (REGENERATION_COUNTERS if job.kind == "regenerate" else ())
+    with client.pipeline() as pipe:
+        pipe.delete(committed_key(job.job_id), dead_key(job.job_id))
+        pipe.hset(job_key(job.job_id), mapping={name: 0 for name in counters})
+        for m in committed:
+            pipe.sadd(committed_key(job.job_id), m.shard_index)
+            pipe.hincrby(job_key(job.job_id), "shards_committed", 1)
+            pipe.hincrby(job_key(job.job_id), "samples_done", m.num_samples)
+            pipe.hincrby(job_key(job.job_id), "tokens_done", m.num_tokens)
+            pipe.hincrby(job_key(job.job_id), "bytes_stored", m.bytes)
+            for name, value in m.counters.items():
+                pipe.hincrby(job_key(job.job_id), name, value)
+        for letter in dead:
+            samples, tokens = shards[letter.shard_index]
+            pipe.sadd(dead_key(job.job_id), letter.shard_index)
+            pipe.hincrby(job_key(job.job_id), "shards_dead", 1)
+            pipe.hincrby(job_key(job.job_id), "samples_failed", samples)
+            pipe.hincrby(job_key(job.job_id), "tokens_failed", tokens)
+        pipe.execute()
+
+
+def committed_shards(client: redis.Redis, job_id: str) -> set[int]:
+    return {int(i) for i in client.smembers(committed_key(job_id))}
+
+
+def dead_shards(client: redis.Redis, job_id: str) -> set[int]:
+    return {int(i) for i in client.smembers(dead_key(job_id))}
+
+
+def forget_dead_letter(
+    client: redis.Redis, job_id: str, shard_index: int, *, num_samples: int, num_tokens: int
+) -> None:
+    """A dead-lettered shard that is queued again (resume) is no longer counted as failed."""
+    if client.srem(dead_key(job_id), shard_index):
+        with client.pipeline() as pipe:
+            pipe.hincrby(job_key(job_id), "shards_dead", -1)
+            pipe.hincrby(job_key(job_id), "samples_failed", -num_samples)
+            pipe.hincrby(job_key(job_id), "tokens_failed", -num_tokens)
+            pipe.execute()
+
+
+def _recent_rate(
+    client: redis.Redis, job_id: str, *, now: float, window_s: float, started: float
+) -> tuple[float, float]:
+    """Tokens/s over the last `window_s`, and the time of the newest event."""
+    since_ms = int((now - window_s) * 1000)
+    entries = client.xrange(events_key(job_id), min=f"{since_ms}-0", max="+")
+    newest = client.xrevrange(events_key(job_id), count=1)
+    last_event = int(newest[0][0].split(b"-")[0]) / 1000 if newest else started
+    tokens = sum(int(fields[b"tokens"]) for _, fields in entries if fields[b"event"] == b"committed")
+    span = min(window_s, max(now - started, 1e-3))
+    return tokens / span, last_event
+
+
+def job_progress(
+    client: redis.Redis, job_id: str, *, window_s: float = 60.0, budget_bytes: int | None = None
+) -> Progress:
+    fields = require_job(client, job_id)
+    number = {k: int(float(v)) for k, v in fields.items() if k not in _TEXT_FIELDS}
+    kind = fields.get("kind", "extract")
+    started = float(fields["created_ts"])
+    now = time.time()
+    rate, last_event = _recent_rate(client, job_id, now=now, window_s=window_s, started=started)
+    shards_total = number["shards_total"]
+    finished_shards = number["shards_committed"] + number["shards_dead"]
+    if number.get("cancelled"):
+        state = "cancelled"
+    elif finished_shards >= shards_total:
+        regeneration_errors = kind == "regenerate" and (number["samples_failed"] > 0 or "finalize_error" in fields)
+        if kind == "regenerate" and not number["shards_dead"] and not number.get("finalized"):
+            # Every shard is committed; the last worker is assembling the dataset and submitting the chain.
+            state = "completed_with_errors" if "finalize_error" in fields else "running"
+        elif number["shards_dead"] or regeneration_errors:
+            state = "completed_with_errors"
+        else:
+            state = "completed"
+    elif finished_shards:
+        state = "running"
+    else:
+        state = "queued"
+    finished = state != "running" and state != "queued"
+    tokens_done = number["tokens_done"]
+    tokens_total = number["tokens_total"]
+    regeneration = None
+    if kind == "regenerate":
+        tokens_total = _projected_generated_tokens(number, finished=finished)
+        regeneration = RegenerationProgress(
+            **{name: number.get(name, 0) for name in REGENERATION_COUNTERS},
+            max_generated_tokens=number.get("max_generated_tokens", number["tokens_total"]),
+            finalized=bool(number.get("finalized")),
+            output_key=fields.get("output_key"),
+            chained_job_id=fields.get("chained_job_id"),
+            error=fields.get("finalize_error"),
+        )
+    bytes_per_token = (
+        number["bytes_stored"] / tokens_done if tokens_done else number["projected_bytes"] / max(tokens_total, 1)
+    )
+    projected = round(bytes_per_token * tokens_total)
+    remaining_tokens = tokens_total - tokens_done - number["tokens_failed"]
+    eta = 0.0 if finished else (remaining_tokens / rate if rate > 0 else None)
+    elapsed = (last_event if finished else now) - started
+    return Progress(
+        job_id=job_id,
+        state=state,
+        samples_total=number["samples_total"],
+        samples_done=number["samples_done"],
+        samples_rejected=number["samples_rejected"],
+        samples_failed=number["samples_failed"],
+        tokens_total=tokens_total,
+        tokens_done=tokens_done,
+        tokens_failed=number["tokens_failed"],
+        shards_total=shards_total,
+        shards_committed=number["shards_committed"],
+        shards_dead_lettered=number["shards_dead"],
+        bytes_stored=number["bytes_stored"],
+        bytes_per_token=bytes_per_token,
+        projected_total_bytes=projected,
+        storage_budget_bytes=budget_bytes,
+        budget_headroom_bytes=None if budget_bytes is None else budget_bytes - projected,
+        tokens_per_second=tokens_done / elapsed if finished and elapsed > 0 else rate,
+        eta_seconds=eta,
+        elapsed_seconds=max(elapsed, 0.0),
+        created_at=fields["created_at"],
+        kind=kind,
+        regeneration=regeneration,
+    )
+
+
+def _projected_generated_tokens(number: dict[str, int], *, finished: bool) -> int:
+    """A regenerate job's total generated tokens: what the conversations done so far generated on average, times
+    all of them, at most assistant turns x max_new_tokens (the planned tokens_total); exact once finished."""
+    done, upper = number["tokens_done"], number["tokens_total"]
+    if finished:
+        return done
+    conversations_done = number["samples_done"] + number.get("conversations_failed", 0)
+    if conversations_done == 0:
+        return upper
+    remaining = max(number["samples_total"] - conversations_done - _dead_conversations(number), 0)
+    per_conversation = done / conversations_done
+    return min(upper, round(done + per_conversation * remaining))
+
+
+def _dead_conversations(number: dict[str, int]) -> int:
+    # samples_failed holds the failed conversations of committed shards plus every conversation of a dead shard.
+    return number["samples_failed"] - number.get("conversations_failed", 0)

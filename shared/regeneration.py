@@ -1,0 +1,929 @@
+"""The regeneration stage (docs/regeneration.md): every assistant turn of a dataset rewritten by the target itself,
+so that the drafter learns the target's own distribution rather than human answers.
+
+- `submit()` reads the dataset with the extraction's rules (same rejections, same messages), saves the target's
+  tokenizer next to the job (workers render prompts with it), plans shards of conversations and enqueues one
+  task per shard.
+- `regenerate_shard()` (one Celery task) decodes each conversation turn by turn through the inference server's
+  `/generate`: the prompt of an assistant turn is the regenerated history rendered with the chat template plus the
+  generation prompt. Conversations of a shard run concurrently, so the server can batch them. Each finished (or
+  failed) conversation is written create-only, so a retried or redelivered shard does not decode it again; then
+  the shard's JSONL, then its manifest, last, and the shard is counted once (in generated tokens).
+- The worker that commits the last shard assembles `{job}/regenerated.jsonl` (create-only) and, with
+  `then_extract`, asks the producer to submit the extraction job on it (deterministic id, so idempotent).
+"""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import httpx
+import redis
+import torch
+import transformers
+from pydantic import BaseModel
+
+import shared
+from shared import layout, progress
+from shared.capture_protocol import ModelInfo
+from shared.datasets import Conversation, InvalidRecord, Message, read_dataset
+from shared.errors import (
+    ConfigurationError,
+    Eagle3Error,
+    InferenceProtocolError,
+    ModelMismatch,
+    ProducerUnavailable,
+    SubmitError,
+)
+from shared.inference_client import InferenceClient
+from shared.jobs import (
+    Enqueue,
+    check_services,
+    default_aux_layer_ids,
+    first_rejection,
+    load_job,
+    new_job_id,
+    read_dataset_lines,
+    resolve_model,
+)
+from shared.schemas import (
+    ChatMessage,
+    ConversationEntry,
+    ConversationInput,
+    ConversationResult,
+    DeadLetter,
+    FailedConversation,
+    JobRecord,
+    JobSpec,
+    ModelRecord,
+    ReasoningPolicy,
+    RegenerationManifest,
+    RegenerationPlan,
+    RegenerationShardInput,
+    RejectedSample,
+    TurnRecord,
+    utc_now,
+)
+from shared.settings import Settings
+from shared.storage import ObjectNotFound, Storage, open_storage
+from shared.tokenization import ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+# A rough size of one generated token in the output JSONL, for the projected bytes before anything is stored.
+OUTPUT_BYTES_PER_TOKEN = 5
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+ChainSubmit = Callable[[JobSpec], str]  # submits the chained extraction job, returns its id
+
+
+class Cancelled(Eagle3Error):
+    """The job was cancelled while its shard ran; what is done stays for a resume."""
+
+
+class ConversationFailed(Eagle3Error):
+    """One turn of one conversation cannot be regenerated; the conversation is recorded with this reason."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field, self.reason = field, reason
+
+
+class RegenerationOutcome(BaseModel):
+    job_id: str
+    shard_index: int
+    status: Literal["committed", "already_committed", "cancelled"]
+    num_samples: int = 0  # conversations written
+    num_failed: int = 0
+    num_tokens: int = 0  # generated tokens
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def of(
+        cls, manifest: RegenerationManifest, status: Literal["committed", "already_committed"], seconds: float = 0.0
+    ) -> "RegenerationOutcome":
+        return cls(
+            job_id=manifest.job_id,
+            shard_index=manifest.shard_index,
+            status=status,
+            num_samples=manifest.num_samples,
+            num_failed=sum(c.error is not None for c in manifest.conversations),
+            num_tokens=manifest.num_tokens,
+            bytes=manifest.bytes,
+            seconds=seconds,
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reasoning text
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, answer) of a generated text. Handles `<think>...</think>answer`, a template that opened the think
+    block in the prompt (`...</think>answer`), and a generation cut off inside the block (`<think>...`)."""
+    close = text.find(THINK_CLOSE)
+    if close >= 0:
+        before, answer = text[:close], text[close + len(THINK_CLOSE) :]
+        open_ = before.find(THINK_OPEN)
+        reasoning = before[open_ + len(THINK_OPEN) :] if open_ >= 0 else before
+        prefix = before[:open_] if open_ >= 0 else ""
+        return reasoning, prefix + answer
+    open_ = text.find(THINK_OPEN)
+    if open_ >= 0:
+        return text[open_ + len(THINK_OPEN) :], text[:open_]
+    return None, text
+
+
+def apply_reasoning(text: str, reasoning_field: str | None, policy: ReasoningPolicy) -> tuple[str, bool]:
+    """(assistant content, whether the turn had reasoning). `keep` keeps the reasoning as a think block in the
+    content (where a server returned it separately, it is put in front the way reasoning templates render it);
+    `drop` removes it and the whitespace after it."""
+    reasoning, answer = split_reasoning(text)
+    if reasoning_field:
+        if policy == "keep":
+            return f"{THINK_OPEN}\n{reasoning_field.strip()}\n{THINK_CLOSE}\n\n{text.lstrip()}", True
+        return answer.lstrip() if reasoning is not None else text, True
+    if reasoning is None:
+        return text, False
+    return (text if policy == "keep" else answer.lstrip()), True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The target's tokenizer, shared with the workers through storage
+
+
+def save_tokenizer(storage: Storage, job_id: str, tokenizer: ChatTokenizer) -> None:
+    """The tokenizer files (chat template included) under {job}/tokenizer/: workers need not mount the model."""
+    with tempfile.TemporaryDirectory(prefix="eagle3-tokenizer-") as tmp:
+        tokenizer.tokenizer.save_pretrained(tmp)
+        for path in sorted(Path(tmp).rglob("*")):
+            if path.is_file():
+                storage.put(layout.tokenizer_prefix(job_id) + path.relative_to(tmp).as_posix(), path.read_bytes())
+
+
+class PromptRenderer:
+    """A job's ChatTokenizer behind a lock: a fast tokenizer shared by threads can fail with "Already borrowed"."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def prompt(self, conv: Conversation, messages: list[ChatMessage]) -> list[int]:
+        with self._lock:
+            return self.tokenizer.generation_prompt(conv, [Message(m.role, m.content) for m in messages])
+
+    def decode(self, output_ids: list[int]) -> str:
+        """Text of generated ids, as a server decodes it (SGLang launched with --skip-tokenizer-init sends none)."""
+        with self._lock:
+            return self.tokenizer.tokenizer.decode(output_ids, skip_special_tokens=True)
+
+
+class TokenizerCache:
+    """Per worker process: each job's tokenizer, downloaded once into a local folder and loaded once."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or Path(tempfile.gettempdir()) / "eagle3-tokenizers"
+        self._renderers: dict[str, PromptRenderer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, storage: Storage, job: JobRecord) -> PromptRenderer:
+        with self._lock:
+            if job.job_id not in self._renderers:
+                self._renderers[job.job_id] = PromptRenderer(self._load(storage, job))
+            return self._renderers[job.job_id]
+
+    def _load(self, storage: Storage, job: JobRecord) -> ChatTokenizer:
+        folder = self.root / f"{job.job_id}-{job.model.template_hash[:16]}"
+        if not folder.is_dir():
+            prefix = layout.tokenizer_prefix(job.job_id)
+            keys = storage.list(prefix)
+            if not keys:
+                raise ConfigurationError(f"job {job.job_id}: no tokenizer files under {prefix} in {storage.url}")
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.root))
+            for key in keys:
+                path = tmp / key.removeprefix(prefix)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(storage.get(key))
+            try:
+                tmp.rename(folder)  # atomic: another process of this machine may have won the race
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer = ChatTokenizer.from_pretrained(folder)
+        if tokenizer.template_hash != job.model.template_hash:
+            raise ConfigurationError(
+                f"job {job.job_id}: the stored tokenizer's chat template hashes to {tokenizer.template_hash}, "
+                f"the job was planned with {job.model.template_hash}"
+            )
+        return tokenizer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Submit and resume
+
+
+def sampling_params(spec: JobSpec) -> dict[str, Any]:
+    """The sampling_params of every /generate request of a job (max_new_tokens may shrink to fit the context)."""
+    if spec.temperature == 0:
+        return {"max_new_tokens": spec.max_new_tokens, "temperature": 0.0}
+    return {
+        "max_new_tokens": spec.max_new_tokens,
+        "temperature": spec.temperature,
+        "top_p": spec.top_p,
+        "top_k": spec.top_k,
+    }
+
+
+def turn_seed(seed: int, sample_index: int, message_index: int) -> int:
+    """A seed of its own per turn: the same job gives the same text, whichever worker or batch decodes it."""
+    digest = hashlib.sha256(f"{seed}/{sample_index}/{message_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def plan_conversation_shards(num_conversations: int, per_shard: int) -> list[range]:
+    return [range(start, min(start + per_shard, num_conversations)) for start in range(0, num_conversations, per_shard)]
+
+
+def read_conversations(
+    spec: JobSpec, tokenizer: ChatTokenizer, settings: Settings
+) -> tuple[list[ConversationInput], list[RejectedSample]]:
+    """The dataset with the extraction's rules and messages (tokenize() included, so a conversation extraction would
+    refuse is refused here), plus one of its own: preformatted text has no turns to regenerate."""
+    conversations: list[ConversationInput] = []
+    rejected: list[RejectedSample] = []
+    for item in read_dataset(read_dataset_lines(spec.dataset_url, settings)):
+        try:
+            if isinstance(item, InvalidRecord):
+                raise item
+            if item.text is not None:
+                raise InvalidRecord(
+                    item.sample_id, item.line, "text", "preformatted text has no turns to regenerate (use messages)"
+                )
+            tokenizer.tokenize(item, max_length=spec.max_length, length_policy=spec.length_policy)
+        except InvalidRecord as exc:
+            rejected.append(RejectedSample(sample_id=exc.sample_id, line=exc.line, field=exc.field, reason=exc.reason))
+            continue
+        conversations.append(
+            ConversationInput(
+                sample_index=len(conversations),
+                sample_id=item.sample_id,
+                line=item.line,
+                messages=[ChatMessage(role=m.role, content=m.content) for m in item.messages],
+            )
+        )
+    return conversations, rejected
+
+
+def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> JobRecord:
+    """Plan a regenerate job and enqueue its shards. Raises SubmitError before anything is enqueued."""
+    started = time.monotonic()
+    if spec.kind != "regenerate":
+        raise SubmitError(f"job kind {spec.kind!r}: regeneration.submit plans jobs of kind 'regenerate'")
+    check_services(settings, storage, client)
+    model_path = resolve_model(spec, settings)
+    job_id = spec.job_id or new_job_id()
+    if storage.exists(layout.job_json(job_id)):
+        raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
+    if spec.output_url is not None and _exists(spec.output_url, settings):
+        raise SubmitError(f"output {spec.output_url} already exists; the regenerated dataset is never overwritten")
+    try:
+        tokenizer = ChatTokenizer.from_pretrained(model_path)
+    except ConfigurationError as exc:
+        raise SubmitError(str(exc)) from exc
+    model_config = json.loads((model_path / "config.json").read_text())
+    num_layers, hidden_size = model_config["num_hidden_layers"], model_config["hidden_size"]
+    aux_layer_ids = spec.aux_layer_ids or default_aux_layer_ids(num_layers)
+
+    conversations, rejected = read_conversations(spec, tokenizer, settings)
+    if not conversations:
+        raise SubmitError(
+            f"dataset {spec.dataset_url}: no usable conversation ({len(rejected)} rejected, "
+            f"e.g. {first_rejection(rejected)})"
+        )
+    turns_total = sum(m.role == "assistant" for c in conversations for m in c.messages)
+    max_generated = turns_total * spec.max_new_tokens
+    plan = plan_conversation_shards(len(conversations), spec.conversations_per_shard)
+    spec = spec.model_copy(update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": aux_layer_ids})
+    job = JobRecord(
+        job_id=job_id,
+        created_at=utc_now(),
+        spec=spec,
+        model=ModelRecord(
+            path=str(model_path),
+            architecture=(model_config.get("architectures") or ["unknown"])[0],
+            num_hidden_layers=num_layers,
+            hidden_size=hidden_size,
+            vocab_size=tokenizer.vocab_size,
+            template_hash=tokenizer.template_hash,
+        ),
+        aux_layer_ids=aux_layer_ids,
+        hidden_size=hidden_size,
+        bytes_per_token=OUTPUT_BYTES_PER_TOKEN,
+        samples_total=len(conversations),
+        samples_rejected=len(rejected),
+        samples_truncated=0,
+        tokens_total=max_generated,
+        loss_tokens_total=0,
+        shards_total=len(plan),
+        projected_bytes=max_generated * OUTPUT_BYTES_PER_TOKEN,
+        draft_vocab_size=spec.draft_vocab_size,
+        vocab_coverage=0.0,
+        versions={"eagle3": shared.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        regeneration=RegenerationPlan(
+            assistant_turns_total=turns_total,
+            max_generated_tokens=max_generated,
+            sampling_params=sampling_params(spec),
+            output_key=layout.regenerated_dataset(job_id),
+            output_url=spec.output_url,
+            chained_job_id=layout.chained_job_id(job_id) if spec.then_extract else None,
+            tokenizer_prefix=layout.tokenizer_prefix(job_id),
+        ),
+    )
+
+    save_tokenizer(storage, job_id, tokenizer)
+    storage.put(layout.rejected(job_id), "".join(r.model_dump_json() + "\n" for r in rejected).encode())
+    for shard_index, members in enumerate(plan):
+        shard = RegenerationShardInput(
+            job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members]
+        )
+        storage.put(layout.shard_input(job_id, shard_index), shard.model_dump_json().encode())
+    # job.json last among the plan files: a job whose job.json exists is fully planned.
+    if not storage.put_if_absent(layout.job_json(job_id), job.model_dump_json(indent=2).encode()):
+        raise SubmitError(f"job {job_id} was created concurrently by another submit")
+    progress.register_job(client, job, storage.url)
+    for shard_index in range(len(plan)):
+        enqueue(job_id, shard_index)
+    logger.info(
+        "submitted regenerate job=%s conversations=%d rejected=%d turns=%d shards=%d in %.1fs",
+        job_id,
+        len(conversations),
+        len(rejected),
+        turns_total,
+        len(plan),
+        time.monotonic() - started,
+    )
+    return job
+
+
+def load_shard(storage: Storage, job_id: str, shard_index: int) -> RegenerationShardInput:
+    return RegenerationShardInput.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+
+
+def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> list[int]:
+    """Re-enqueue every shard without a manifest (dead-lettered ones included) after recounting from storage; if
+    every shard is committed but the dataset was never assembled, one shard goes again to assemble it."""
+    job = load_job(storage, job_id)
+    if job.kind != "regenerate":
+        raise ConfigurationError(f"job {job_id} is of kind {job.kind!r}, not 'regenerate'")
+    if not client.exists(progress.job_key(job_id)):
+        progress.register_job(client, job, storage.url)
+    if client.hdel(progress.job_key(job_id), "finalize_error"):
+        client.hdel(progress.job_key(job_id), "finalized")  # assembling or chaining failed: it runs again
+    client.hdel(progress.job_key(job_id), "cancelled")
+    progress.rebuild(client, storage, job)
+    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
+    pending = [k for k in range(job.shards_total) if k not in committed]
+    for shard_index in pending:
+        if storage.exists(layout.dead_letter(job_id, shard_index)):
+            shard = load_shard(storage, job_id, shard_index)
+            progress.forget_dead_letter(client, job_id, shard_index, num_samples=len(shard.conversations), num_tokens=0)
+            storage.delete(layout.dead_letter(job_id, shard_index))
+        enqueue(job_id, shard_index)
+    if not pending and client.hget(progress.job_key(job_id), "finalized") != b"1":
+        enqueue(job_id, job.shards_total - 1)  # committed: the task goes straight to assembling
+    logger.info("resumed regenerate job=%s pending_shards=%d", job_id, len(pending))
+    return pending
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One conversation
+
+
+def check_served_model(job: JobRecord, info: ModelInfo, base_url: str) -> None:
+    expected = {
+        "hidden_size": job.hidden_size,
+        "num_hidden_layers": job.model.num_hidden_layers,
+        "vocab_size": job.model.vocab_size,
+    }
+    served = {name: getattr(info, name) for name in expected}
+    if served != expected:
+        raise ModelMismatch(
+            f"job {job.job_id} was planned for {job.model.path} {expected}, but {base_url} serves {info.model_path} "
+            f"{served}"
+        )
+
+
+def _parse_answer(answer: Any, where: str, renderer: PromptRenderer) -> tuple[str, str | None, int, dict[str, Any]]:
+    """(text, reasoning returned separately or None, completion tokens, finish_reason) of a /generate answer."""
+    output_ids = answer.get("output_ids") if isinstance(answer, dict) else None
+    text = answer.get("text") if isinstance(answer, dict) else None
+    if not isinstance(text, str):
+        if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
+            raise InferenceProtocolError(f"{where}: not a /generate answer (no text, no output_ids): {answer!r:.300}")
+        text = renderer.decode(output_ids)
+    assert isinstance(answer, dict)
+    meta_info = answer.get("meta_info") or {}
+    finish = meta_info.get("finish_reason")
+    if not isinstance(finish, dict) or "type" not in finish:
+        raise InferenceProtocolError(f"{where}: answer without meta_info.finish_reason: {answer!r:.300}")
+    if finish["type"] not in ("stop", "length"):
+        # SGLang aborts a request it cannot serve (e.g. longer than its context) with a message.
+        raise ConversationFailed(where, f"the server ended it with {finish}")
+    completion_tokens = meta_info.get("completion_tokens", len(output_ids or []))
+    reasoning = answer.get("reasoning_content") or meta_info.get("reasoning_content")
+    return text, reasoning if isinstance(reasoning, str) else None, int(completion_tokens), finish
+
+
+def regenerate_conversation(
+    conv: ConversationInput,
+    *,
+    job: JobRecord,
+    renderer: PromptRenderer,
+    inference: InferenceClient,
+    max_context_length: int,
+    is_cancelled: Callable[[], bool] = lambda: False,
+) -> ConversationResult:
+    """Each assistant turn, in order, decoded given the regenerated history; user and system turns unchanged.
+    A turn the server refuses (4xx), an abort, or a prompt with no room left in the context fails the conversation
+    with the reason; outages (InferenceUnavailable) propagate, so that the shard is retried."""
+    spec = job.spec
+    source = Conversation(sample_id=conv.sample_id, line=conv.line)  # names the record in errors
+    attempt = uuid.uuid4().hex[:8]
+    messages: list[ChatMessage] = []
+    turns: list[TurnRecord] = []
+    for index, message in enumerate(conv.messages):
+        if message.role != "assistant":
+            messages.append(message)
+            continue
+        if is_cancelled():
+            raise Cancelled(f"job {job.job_id} cancelled")
+        where = f"messages[{index}]"
+        try:
+            prompt = renderer.prompt(source, messages)
+            room = max_context_length - len(prompt)
+            if room < 1:
+                raise ConversationFailed(
+                    where,
+                    f"prompt of {len(prompt)} tokens leaves no room to generate within the server's "
+                    f"max_context_length {max_context_length}",
+                )
+            params = {**sampling_params(spec), "max_new_tokens": min(spec.max_new_tokens, room)}
+            if spec.seed is not None and spec.temperature > 0:
+                params["seed"] = turn_seed(spec.seed, conv.sample_index, index)
+            rid = f"{job.job_id}/{conv.sample_index}/{index}/{attempt}"
+            answer = inference.generate(input_ids=prompt, sampling_params=params, rid=rid)
+            text, reasoning_field, completion_tokens, finish = _parse_answer(answer, where, renderer)
+        except (InferenceProtocolError, InvalidRecord, ConversationFailed) as exc:
+            reason = str(exc) if isinstance(exc, ConversationFailed) else f"{where}: {exc}"
+            if isinstance(exc, InvalidRecord):
+                reason = f"{exc.field}: {exc.reason}"
+            return ConversationResult(
+                sample_index=conv.sample_index,
+                sample_id=conv.sample_id,
+                line=conv.line,
+                messages=None,
+                turns=turns,
+                error=reason,
+                failed_message_index=index,
+            )
+        content, had_reasoning = apply_reasoning(text, reasoning_field, spec.reasoning)
+        turns.append(
+            TurnRecord(
+                message_index=index,
+                prompt_tokens=len(prompt),
+                completion_tokens=completion_tokens,
+                finish_reason=finish["type"],
+                reasoning=had_reasoning,
+                truncated=finish["type"] == "length",
+                empty=not content.strip(),
+            )
+        )
+        messages.append(ChatMessage(role="assistant", content=content))
+    return ConversationResult(
+        sample_index=conv.sample_index, sample_id=conv.sample_id, line=conv.line, messages=messages, turns=turns
+    )
+
+
+def output_line(result: ConversationResult) -> str:
+    """One line of the regenerated dataset: OpenAI messages, with the input record's id (or line-N)."""
+    assert result.messages is not None
+    record = {"id": result.sample_id, "messages": [m.model_dump() for m in result.messages]}
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One shard
+
+
+def _entry(result: ConversationResult, key: str) -> ConversationEntry:
+    return ConversationEntry(
+        sample_index=result.sample_index,
+        sample_id=result.sample_id,
+        line=result.line,
+        key=key,
+        turns=result.turns,
+        generated_tokens=result.generated_tokens,
+        error=result.error,
+    )
+
+
+def shard_counters(results: list[ConversationResult]) -> dict[str, int]:
+    """What a committed shard adds to the job's counters (progress.REGENERATION_COUNTERS, and samples_failed)."""
+    ok = [r for r in results if not r.failed]
+    failed = len(results) - len(ok)
+    return {
+        "turns_done": sum(len(r.turns) for r in ok),
+        "conversations_with_reasoning": sum(any(t.reasoning for t in r.turns) for r in ok),
+        "conversations_truncated": sum(any(t.truncated for t in r.turns) for r in ok),
+        "conversations_empty": sum(any(t.empty for t in r.turns) for r in ok),
+        "conversations_failed": failed,
+        "samples_failed": failed,
+    }
+
+
+def regenerate_shard(
+    job_id: str,
+    shard_index: int,
+    *,
+    storage: Storage,
+    redis_client: redis.Redis,
+    inference: InferenceClient,
+    worker: str,
+    chain: ChainSubmit | None = None,
+    tokenizers: TokenizerCache | None = None,
+    model_infos: dict[str, ModelInfo] | None = None,
+    concurrency: int = 16,
+    ready_timeout_s: float = 300.0,
+    settings: Settings | None = None,
+) -> RegenerationOutcome:
+    started, started_at = time.monotonic(), utc_now()
+    manifest_key = layout.manifest(job_id, shard_index)
+    if storage.exists(manifest_key):
+        manifest = RegenerationManifest.model_validate_json(storage.get(manifest_key))
+        # A worker that died between commit and count (or while assembling) left work; both steps are idempotent.
+        progress.record_commit(redis_client, manifest)
+        job = load_job(storage, job_id)
+        finalize_if_complete(job, storage=storage, redis_client=redis_client, chain=chain, settings=settings)
+        return RegenerationOutcome.of(manifest, "already_committed")
+    if progress.is_cancelled(redis_client, job_id):
+        return RegenerationOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
+
+    job = load_job(storage, job_id)
+    if job.kind != "regenerate":
+        raise ConfigurationError(f"job {job_id} is of kind {job.kind!r}, not 'regenerate'")
+    model_infos = {} if model_infos is None else model_infos
+    if job_id not in model_infos:
+        # A GPU server answers 503 for minutes while it loads; that is a wait, not a failure.
+        inference.wait_ready(ready_timeout_s)
+        info = inference.model_info()
+        check_served_model(job, info, inference.base_url)
+        model_infos[job_id] = info
+    info = model_infos[job_id]
+    renderer = (tokenizers or TokenizerCache()).get(storage, job)
+    shard = load_shard(storage, job_id, shard_index)
+
+    results: dict[int, ConversationResult] = {}
+    pending: list[ConversationInput] = []
+    for conv in shard.conversations:
+        key = layout.conversation(job_id, conv.sample_index)
+        if storage.exists(key):  # done by an earlier attempt that died before the manifest
+            results[conv.sample_index] = ConversationResult.model_validate_json(storage.get(key))
+        else:
+            pending.append(conv)
+
+    def regenerate_and_write(conv: ConversationInput) -> ConversationResult:
+        result = regenerate_conversation(
+            conv,
+            job=job,
+            renderer=renderer,
+            inference=inference,
+            max_context_length=info.max_context_length,
+            is_cancelled=lambda: progress.is_cancelled(redis_client, job_id),
+        )
+        key = layout.conversation(job_id, conv.sample_index)
+        if not storage.put_if_absent(key, result.model_dump_json().encode()):
+            # A concurrent duplicate delivery wrote it first; its version is the one the manifest must describe.
+            result = ConversationResult.model_validate_json(storage.get(key))
+        return result
+
+    # Longest first (most assistant turns, which run one after another): the shard's tail, where fewer
+    # conversations are left than the server could batch, is then short.
+    pending.sort(key=lambda conv: -sum(m.role == "assistant" for m in conv.messages))
+    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(pending))), thread_name_prefix="decode") as pool:
+        futures = [pool.submit(regenerate_and_write, conv) for conv in pending]
+        try:
+            for future in as_completed(futures):
+                result = future.result()
+                results[result.sample_index] = result
+        except Cancelled:
+            for future in futures:
+                future.cancel()
+            logger.info("cancelled job=%s shard=%d after %d conversations", job_id, shard_index, len(results))
+            return RegenerationOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    decode_s = time.monotonic() - started
+
+    ordered = [results[c.sample_index] for c in shard.conversations]
+    output_key = layout.regenerated_shard(job_id, shard_index)
+    data = "".join(output_line(r) for r in ordered if not r.failed).encode()
+    if not storage.put_if_absent(output_key, data):
+        data = storage.get(output_key)
+    ok = [r for r in ordered if not r.failed]
+    manifest = RegenerationManifest(
+        job_id=job_id,
+        shard_index=shard_index,
+        model=info.model_path,
+        server={"backend": info.backend, "version": info.version, "sglang_version": info.sglang_version},
+        sampling_params=sampling_params(job.spec) | ({"seed": job.spec.seed} if job.spec.seed is not None else {}),
+        reasoning=job.spec.reasoning,
+        output_key=output_key,
+        sha256=hashlib.sha256(data).hexdigest(),
+        conversations=[_entry(r, layout.conversation(job_id, r.sample_index)) for r in ordered],
+        num_samples=len(ok),
+        num_tokens=sum(r.generated_tokens for r in ok),
+        bytes=len(data),
+        counters=shard_counters(ordered),
+        worker=worker,
+        started_at=started_at,
+        committed_at=utc_now(),
+        timings_s={"decode": round(decode_s, 4), "total": round(time.monotonic() - started, 4)},
+    )
+    if not storage.put_if_absent(manifest_key, manifest.model_dump_json(indent=1).encode()):
+        manifest = RegenerationManifest.model_validate_json(storage.get(manifest_key))
+        logger.info("shard already committed by another delivery job=%s shard=%d", job_id, shard_index)
+    progress.record_commit(redis_client, manifest)
+    seconds = time.monotonic() - started
+    logger.info(
+        "committed job=%s shard=%d conversations=%d failed=%d generated_tokens=%d in %.2fs (%.0f tokens/s, %d reused)",
+        job_id,
+        shard_index,
+        manifest.num_samples,
+        len(ordered) - len(ok),
+        manifest.num_tokens,
+        seconds,
+        manifest.num_tokens / max(decode_s, 1e-9),
+        len(shard.conversations) - len(pending),
+    )
+    finalize_if_complete(job, storage=storage, redis_client=redis_client, chain=chain, settings=settings)
+    return RegenerationOutcome.of(manifest, "committed", seconds=seconds)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The last shard: assemble the dataset, chain the extraction
+
+
+def load_manifests(storage: Storage, job_id: str) -> list[RegenerationManifest]:
+    return sorted(
+        (
+            RegenerationManifest.model_validate_json(storage.get(key))
+            for key in storage.list(layout.manifests_prefix(job_id))
+        ),
+        key=lambda m: m.shard_index,
+    )
+
+
+def failed_conversations(storage: Storage, job_id: str) -> list[FailedConversation]:
+    """Every conversation that is not in the output, with its reason: failed turns of committed shards, and every
+    conversation of a dead-lettered shard."""
+    failed = [
+        FailedConversation(
+            sample_index=c.sample_index, sample_id=c.sample_id, line=c.line, reason=c.error, shard_index=m.shard_index
+        )
+        for m in load_manifests(storage, job_id)
+        for c in m.conversations
+        if c.error is not None
+    ]
+    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
+    for key in storage.list(layout.dead_letter_prefix(job_id)):
+        letter = DeadLetter.model_validate_json(storage.get(key))
+        if letter.shard_index in committed:
+            continue
+        for c in load_shard(storage, job_id, letter.shard_index).conversations:
+            failed.append(
+                FailedConversation(
+                    sample_index=c.sample_index,
+                    sample_id=c.sample_id,
+                    line=c.line,
+                    reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
+                    shard_index=letter.shard_index,
+                )
+            )
+    return sorted(failed, key=lambda f: f.sample_index)
+
+
+def summarize(job: JobRecord, manifests: list[RegenerationManifest]) -> dict[str, Any]:
+    conversations = [c for m in manifests for c in m.conversations]
+    ok = [c for c in conversations if c.error is None]
+    turns = [t for c in ok for t in c.turns]
+    return {
+        "job_id": job.job_id,
+        "model": manifests[0].model if manifests else job.model.path,
+        "server": manifests[0].server if manifests else {},
+        "sampling_params": manifests[0].sampling_params if manifests else {},
+        "reasoning": job.spec.reasoning,
+        "conversations_total": job.samples_total,
+        "conversations_rejected": job.samples_rejected,
+        "conversations_written": len(ok),
+        "conversations_failed": len(conversations) - len(ok),
+        "conversations_with_reasoning": sum(any(t.reasoning for t in c.turns) for c in ok),
+        "conversations_truncated": sum(any(t.truncated for t in c.turns) for c in ok),
+        "conversations_empty": sum(any(t.empty for t in c.turns) for c in ok),
+        "turns": len(turns),
+        "turns_with_reasoning": sum(t.reasoning for t in turns),
+        "turns_truncated": sum(t.truncated for t in turns),
+        "turns_empty": sum(t.empty for t in turns),
+        "generated_tokens": sum(c.generated_tokens for c in ok),
+        "output_key": layout.regenerated_dataset(job.job_id),
+    }
+
+
+def chained_spec(job: JobRecord, storage: Storage) -> JobSpec:
+    """The extraction job on the regenerated dataset, with the extraction knobs of the regenerate job's spec."""
+    assert job.regeneration is not None and job.regeneration.chained_job_id is not None
+    return JobSpec(
+        dataset_url=f"{storage.url.rstrip('/')}/{job.regeneration.output_key}",
+        model_path=job.spec.model_path,
+        job_id=job.regeneration.chained_job_id,
+        max_length=job.spec.max_length,
+        length_policy=job.spec.length_policy,
+        draft_vocab_size=job.spec.draft_vocab_size,
+        shard_token_budget=job.spec.shard_token_budget,
+        aux_layer_ids=job.aux_layer_ids,
+    )
+
+
+def finalize_if_complete(
+    job: JobRecord,
+    *,
+    storage: Storage,
+    redis_client: redis.Redis,
+    chain: ChainSubmit | None,
+    settings: Settings | None = None,
+) -> bool:
+    """Once every shard is committed: assemble the dataset (create-only), write the failed list and the summary,
+    copy the dataset to output_url, submit the chained extraction job. Idempotent, so whichever worker commits
+    the last shard (or two at once, or a retry) can run it. True when the job is finalized."""
+    assert job.regeneration is not None
+    if redis_client.hget(progress.job_key(job.job_id), "finalized") == b"1":
+        return True
+    if len(storage.list(layout.manifests_prefix(job.job_id))) < job.shards_total:
+        return False
+    manifests = load_manifests(storage, job.job_id)
+    output_key = job.regeneration.output_key
+    if not storage.exists(output_key):
+        data = b"".join(storage.get(m.output_key) for m in manifests)
+        storage.put_if_absent(output_key, data)
+    failed = failed_conversations(storage, job.job_id)
+    storage.put_if_absent(
+        layout.failed_conversations(job.job_id), "".join(f.model_dump_json() + "\n" for f in failed).encode()
+    )
+    summary = summarize(job, manifests)
+    error: str | None = None
+    if job.regeneration.output_url is not None:
+        try:
+            write_copy(job.regeneration.output_url, storage.get(output_key), settings)
+        except (OSError, ConfigurationError) as exc:
+            error = f"writing the dataset to {job.regeneration.output_url}: {exc}"
+    chained_job_id = job.regeneration.chained_job_id
+    if chained_job_id is not None and chain is None:
+        error = error or f"chained job {chained_job_id}: this worker cannot submit it (no producer API)"
+        chained_job_id = None
+    elif chained_job_id is not None and not storage.exists(layout.job_json(chained_job_id)):
+        try:
+            chain(chained_spec(job, storage))
+            logger.info("job=%s submitted chained extraction job=%s", job.job_id, chained_job_id)
+        except SubmitError as exc:
+            if not storage.exists(layout.job_json(chained_job_id)):  # else: a concurrent finalizer submitted it
+                error = f"chained extraction job {chained_job_id}: {exc}"
+                chained_job_id = None
+    summary |= {"chained_job_id": chained_job_id, "error": error, "finalized_at": utc_now()}
+    storage.put(layout.regeneration_summary(job.job_id), json.dumps(summary, indent=1).encode())
+    progress.mark_finalized(redis_client, job.job_id, chained_job_id=chained_job_id, error=error)
+    logger.info(
+        "finalized regenerate job=%s conversations=%d failed=%d generated_tokens=%d%s",
+        job.job_id,
+        summary["conversations_written"],
+        summary["conversations_failed"],
+        summary["generated_tokens"],
+        f" error: {error}" if error else "",
+    )
+    return True
+
+
+def write_copy(url: str, data: bytes, settings: Settings | None) -> None:
+    """The dataset at a local path, file:// URL or s3://bucket/key, replaced atomically."""
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        open_storage(f"s3://{parsed.netloc}", settings).put(parsed.path.lstrip("/"), data)
+        return
+    if parsed.scheme not in ("", "file"):
+        raise ConfigurationError(f"output {url}: unsupported scheme {parsed.scheme!r} (use a path, file:// or s3://)")
+    path = Path(parsed.path) if parsed.scheme == "file" else Path(url)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _exists(url: str, settings: Settings) -> bool:
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        return open_storage(f"s3://{parsed.netloc}", settings).exists(parsed.path.lstrip("/"))
+    return (Path(parsed.path) if parsed.scheme == "file" else Path(url)).exists()
+
+
+def submit_through_api(spec: JobSpec, settings: Settings, *, timeout_s: float = 600.0) -> str:
+    """Ask the producer API to submit a job (the chained extraction): it owns the model folder and the planning."""
+    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    url = f"{settings.api_url.rstrip('/')}/v1/jobs"
+    try:
+        response = httpx.post(url, json=spec.model_dump(mode="json"), headers=headers, timeout=timeout_s)
+    except httpx.TransportError as exc:
+        raise ProducerUnavailable(f"{url}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code >= 500:
+        raise ProducerUnavailable(f"{url}: {response.status_code} {response.text[:500]}")
+    if response.status_code != 201:
+        try:
+            detail = response.json().get("detail", response.text)
+        except ValueError:
+            detail = response.text
+        raise SubmitError(f"{response.status_code} {detail}")
+    return response.json()["job"]["job_id"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Failure
+
+
+def record_task_failure(
+    job_id: str,
+    shard_index: int,
+    error: BaseException,
+    *,
+    retries: int,
+    storage: Storage,
+    redis_client: redis.Redis,
+    worker: str,
+) -> DeadLetter | None:
+    """A shard task failed for good. Uncommitted: dead-letter it with the reason (its conversations count as
+    failed; resume re-runs it). Committed: assembling or chaining failed; the job ends completed_with_errors."""
+    reason = f"{type(error).__name__}: {error}"
+    if storage.exists(layout.manifest(job_id, shard_index)):
+        progress.record_finalize_error(redis_client, job_id, reason)
+        logger.error("job=%s: assembling the regenerated dataset failed after %d retries: %s", job_id, retries, reason)
+        return None
+    letter = DeadLetter(
+        job_id=job_id,
+        shard_index=shard_index,
+        error_type=type(error).__name__,
+        reason=str(error),
+        retries=retries,
+        worker=worker,
+    )
+    try:
+        shard = load_shard(storage, job_id, shard_index)
+    except ObjectNotFound:
+        logger.error("job=%s shard=%d failed and has no input to dead-letter: %s", job_id, shard_index, reason)
+        return None
+    storage.put(layout.dead_letter(job_id, shard_index), letter.model_dump_json(indent=1).encode())
+    progress.record_dead_letter(redis_client, letter, num_samples=len(shard.conversations), num_tokens=0)
+    logger.error("dead-lettered job=%s shard=%d after %d retries: %s", job_id, shard_index, retries, reason)
+    return letter
+
+
+def training_job_id(storage: Storage, job_id: str, *, wait_s: float = 0.0, poll_s: float = 5.0) -> str:
+    """The job a trainer should train on: the job itself, or for a regenerate job its chained extraction job
+    (waiting up to wait_s for the regeneration to submit it)."""
+    job = load_job(storage, job_id)
+    if job.kind != "regenerate":
+        return job_id
+    chained = job.regeneration.chained_job_id if job.regeneration else None
+    if chained is None:
+        raise ConfigurationError(f"job {job_id} regenerates without then_extract: there is nothing to train on")
+    deadline = time.monotonic() + wait_s
+    while not storage.exists(layout.job_json(chained)):
+        if storage.exists(layout.regeneration_summary(job_id)):  # finalized without submitting it
+            summary = json.loads(storage.get(layout.regeneration_summary(job_id)))
+            if not storage.exists(layout.job_json(chained)):
+                raise ConfigurationError(f"job {job_id} did not submit {chained}: {summary.get('error')}")
+        if time.monotonic() >= deadline:
+            raise ConfigurationError(
+                f"job {job_id} has not submitted its extraction job {chained} yet (it does when regeneration ends)"
+            )
+        time.sleep(poll_s)
+    return chained

@@ -1,0 +1,328 @@
+"""Everything that crosses a process boundary: job specs, job records, shard inputs, manifests, progress."""
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+LengthPolicy = Literal["truncate", "reject"]
+JobState = Literal["queued", "running", "completed", "completed_with_errors", "cancelled"]
+JobKind = Literal["extract", "regenerate"]
+ReasoningPolicy = Literal["keep", "drop"]
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+class JobSpec(BaseModel):
+    """What a user asks for. Recorded in job.json; every knob that changes the output is here."""
+
+    dataset_url: str = Field(description="file:///abs/data.jsonl, a local path, or s3://bucket/key.jsonl")
+    model_path: str | None = Field(
+        default=None, description="local Hugging Face folder of the target; default EAGLE3_MODEL_PATH"
+    )
+    job_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    max_length: int = Field(default=2048, ge=8)
+    length_policy: LengthPolicy = "truncate"
+    draft_vocab_size: int = Field(default=32000, ge=1)
+    shard_token_budget: int = Field(default=16384, ge=1, description="prompt tokens per shard (one Celery task)")
+    aux_layer_ids: list[int] | None = Field(default=None, min_length=3, max_length=3)
+
+    # Regeneration (kind "regenerate", docs/regeneration.md): the assistant turns are rewritten by the target
+    # itself. The extraction fields above then apply to the chained extraction job (then_extract).
+    kind: JobKind = "extract"
+    max_new_tokens: int = Field(default=2048, ge=1, description="per regenerated assistant turn")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 keeps the whole vocabulary")
+    seed: int | None = Field(default=None, description="sampling seed; each turn gets its own, derived from it")
+    reasoning: ReasoningPolicy = Field(default="keep", description="keep or drop <think>...</think> text")
+    conversations_per_shard: int = Field(default=64, ge=1, description="conversations per regeneration shard")
+    output_url: str | None = Field(
+        default=None, description="also write the regenerated dataset here (a path the workers can write, or s3://)"
+    )
+    then_extract: bool = Field(default=False, description="submit an extraction job on the regenerated dataset")
+    then_train: bool = Field(
+        default=False,
+        description="train on the chained extraction job (implies then_extract): `eagle3 train --job <this job>`",
+    )
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> "JobSpec":
+        if self.kind == "extract":
+            used = [name for name in ("then_extract", "then_train", "output_url") if getattr(self, name)]
+            if used:
+                raise ValueError(f"{', '.join(used)}: only for jobs of kind 'regenerate'")
+        if self.then_train:
+            self.then_extract = True
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or >= 1, got {self.top_k}")
+        return self
+
+
+class ModelRecord(BaseModel):
+    path: str
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    template_hash: str
+
+
+class RegenerationPlan(BaseModel):
+    """What a regenerate job will produce, recorded in its job.json at submit."""
+
+    assistant_turns_total: int
+    max_generated_tokens: int  # assistant turns x max_new_tokens: the upper bound of the work
+    sampling_params: dict[str, Any]  # what every /generate request carries (seed: per turn, derived)
+    output_key: str  # the assembled dataset, relative to the storage root
+    output_url: str | None = None
+    chained_job_id: str | None = None  # the extraction job submitted when all shards are committed
+    tokenizer_prefix: str  # the target's tokenizer and chat template, for the workers
+
+
+class JobRecord(BaseModel):
+    """job.json: written once at submit, read by workers and the trainer."""
+
+    job_id: str
+    created_at: str
+    spec: JobSpec
+    model: ModelRecord
+    aux_layer_ids: list[int]
+    hidden_size: int
+    dtype: str = "bfloat16"
+    bytes_per_token: int
+    samples_total: int
+    samples_rejected: int
+    samples_truncated: int
+    tokens_total: int
+    loss_tokens_total: int
+    shards_total: int
+    projected_bytes: int
+    draft_vocab_size: int
+    vocab_coverage: float
+    versions: dict[str, str]
+    regeneration: RegenerationPlan | None = None  # jobs of kind "regenerate" only
+
+    @property
+    def kind(self) -> JobKind:
+        return self.spec.kind
+
+
+class SampleInput(BaseModel):
+    sample_index: int
+    sample_id: str
+    line: int
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool = False
+
+
+class ShardInput(BaseModel):
+    """inputs/shard_{k}.json: the tokenized samples of one shard, so a task carries ids, not payloads."""
+
+    job_id: str
+    shard_index: int
+    samples: list[SampleInput]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.input_ids) for s in self.samples)
+
+
+class RejectedSample(BaseModel):
+    sample_id: str
+    line: int
+    field: str
+    reason: str
+
+
+class ManifestSample(BaseModel):
+    sample_index: int
+    sample_id: str
+    key: str
+    num_tokens: int
+    loss_tokens: int
+    bytes: int
+    sha256: str
+
+
+class Manifest(BaseModel):
+    """manifests/shard_{k}.json, written create-only and last: a shard exists iff its manifest exists."""
+
+    job_id: str
+    shard_index: int
+    aux_layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    samples: list[ManifestSample]
+    num_samples: int
+    num_tokens: int
+    loss_tokens: int
+    bytes: int
+    worker: str
+    started_at: str
+    committed_at: str
+    timings_s: dict[str, float]
+
+
+class DeadLetter(BaseModel):
+    job_id: str
+    shard_index: int
+    error_type: str
+    reason: str
+    retries: int
+    worker: str
+    at: str = Field(default_factory=utc_now)
+
+
+class RegenerationProgress(BaseModel):
+    """The regeneration side of a job's progress: counts of conversations, and the chain."""
+
+    turns_done: int  # assistant turns regenerated, in committed shards
+    max_generated_tokens: int  # the upper bound; Progress.tokens_total is the projection
+    conversations_with_reasoning: int
+    conversations_truncated: int  # some turn stopped at max_new_tokens
+    conversations_empty: int  # some turn came back empty (after dropping reasoning, when dropped)
+    conversations_failed: int  # recorded with their reason, not in the output
+    finalized: bool  # the dataset is assembled (and the chained job submitted)
+    output_key: str | None = None
+    chained_job_id: str | None = None
+    error: str | None = None  # why assembling or chaining failed
+
+
+class Progress(BaseModel):
+    """Token-weighted progress of one job; the same numbers in the API, the CLI and /metrics.
+
+    For a regenerate job the tokens are generated tokens; tokens_total is then projected from the conversations
+    done so far (at most assistant turns x max_new_tokens), and exact once the job is finished."""
+
+    job_id: str
+    state: JobState
+    samples_total: int
+    samples_done: int
+    samples_rejected: int
+    samples_failed: int
+    tokens_total: int
+    tokens_done: int
+    tokens_failed: int
+    shards_total: int
+    shards_committed: int
+    shards_dead_lettered: int
+    bytes_stored: int
+    bytes_per_token: float
+    projected_total_bytes: int
+    storage_budget_bytes: int | None
+    budget_headroom_bytes: int | None
+    tokens_per_second: float
+    eta_seconds: float | None
+    elapsed_seconds: float
+    created_at: str
+    kind: JobKind = "extract"
+    regeneration: RegenerationProgress | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("completed", "completed_with_errors", "cancelled")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Regeneration (docs/regeneration.md)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ConversationInput(BaseModel):
+    sample_index: int  # position among the job's accepted conversations: the output order
+    sample_id: str
+    line: int
+    messages: list[ChatMessage]  # as read; the assistant contents are replaced
+
+
+class RegenerationShardInput(BaseModel):
+    """inputs/shard_{k}.json of a regenerate job: the conversations of one shard, in input order."""
+
+    job_id: str
+    shard_index: int
+    conversations: list[ConversationInput]
+
+
+class TurnRecord(BaseModel):
+    """One regenerated assistant turn."""
+
+    message_index: int  # where it sits in `messages`
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" or "length"
+    reasoning: bool  # the text had reasoning (<think>...</think>, or the server's reasoning field)
+    truncated: bool  # stopped at max_new_tokens (finish_reason "length")
+    empty: bool  # nothing left once reasoning was handled
+
+
+class ConversationResult(BaseModel):
+    """conversations/rows_{g}-{g+2000}/conv_{i}.json, written create-only once a conversation is done (or failed),
+    so that a retried or redelivered shard does not decode it again."""
+
+    sample_index: int
+    sample_id: str
+    line: int
+    messages: list[ChatMessage] | None  # the regenerated conversation; None when it failed
+    turns: list[TurnRecord]
+    error: str | None = None  # why it failed: the field and the reason
+    failed_message_index: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(t.completion_tokens for t in self.turns)
+
+
+class ConversationEntry(BaseModel):
+    """A conversation as its shard manifest lists it: where its record is, and how it went."""
+
+    sample_index: int
+    sample_id: str
+    line: int
+    key: str  # its ConversationResult
+    turns: list[TurnRecord]
+    generated_tokens: int
+    error: str | None = None
+
+
+class FailedConversation(BaseModel):
+    sample_index: int
+    sample_id: str
+    line: int
+    reason: str
+    shard_index: int
+
+
+class RegenerationManifest(BaseModel):
+    """manifests/shard_{k}.json of a regenerate job, written create-only and last, like an extraction manifest.
+    num_samples counts the conversations written to the shard's output, num_tokens their generated tokens."""
+
+    job_id: str
+    shard_index: int
+    kind: Literal["regenerate"] = "regenerate"
+    model: str  # model_path as the inference server reports it
+    server: dict[str, Any]  # backend, version (and sglang_version) from /get_model_info
+    sampling_params: dict[str, Any]
+    reasoning: ReasoningPolicy
+    output_key: str  # this shard's JSONL, in input order
+    sha256: str
+    conversations: list[ConversationEntry]  # every conversation of the shard, failed ones with their reason
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    counters: dict[str, int]  # added to the job's Redis counters when the shard is counted
+    worker: str
+    started_at: str
+    committed_at: str
+    timings_s: dict[str, float]

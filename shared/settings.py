@@ -1,0 +1,96 @@
+"""Service settings: one typed model, read from the environment (prefix EAGLE3_) or `.env`."""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_HOME = Path(".eagle3")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="EAGLE3_", env_file=".env", extra="ignore")
+
+    # Queue and storage
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    storage_url: str = Field(
+        default_factory=lambda: (DEFAULT_HOME / "storage").resolve().as_uri(),
+        description="file:///abs/dir (embedded default) or s3://bucket/prefix",
+    )
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+    s3_multipart_threshold_bytes: int = 64 * 1024 * 1024
+    s3_multipart_chunk_bytes: int = 64 * 1024 * 1024
+    s3_max_concurrency: int = 8
+    file_fsync: bool = Field(
+        default=False, description="fsync every file:// object: survives power loss, at disk speed"
+    )
+    storage_budget_bytes: int | None = Field(default=None, description="refuse jobs projected above this")
+
+    # Inference
+    inference_url: str = "http://127.0.0.1:30000"
+    inference_timeout_s: float = 300.0
+    inference_ready_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for /health")
+    inference_concurrency: int = Field(default=4, ge=1, description="in-flight capture requests per worker")
+    capture_transport: Literal["body", "shm"] = "body"
+    shm_dir: Path = Path("/dev/shm/eagle3")
+
+    # Reference inference server (services/inference/reference)
+    inference_host: str = "127.0.0.1"
+    inference_port: int = 30000
+    inference_device: str = "auto"  # auto, cpu, cuda, cuda:1
+    inference_dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        default="auto", description="compute dtype; auto = bf16 on CUDA and on CPUs with native bf16, else fp32"
+    )
+    inference_max_batch_tokens: int = Field(default=8192, ge=1)
+    inference_max_batch_wait_ms: float = Field(default=5.0, ge=0)
+    inference_max_decode_batch: int = Field(default=64, ge=1, description="prompts decoded in one generate call")
+    inference_decode_batch_wait_ms: float = Field(
+        default=50.0, ge=0, description="how long a decode request waits for others to batch with"
+    )
+
+    # Regeneration (workers)
+    regenerate_concurrency: int = Field(default=16, ge=1, description="conversations decoded at once per shard task")
+
+    # Worker delivery
+    write_concurrency: int = Field(default=4, ge=1, description="sample files validated and written in parallel")
+    worker_concurrency: int = Field(default=1, ge=1)
+    visibility_timeout_s: int = 4 * 3600
+    redelivery_sweep_s: float = Field(default=30.0, gt=0, description="how often workers look for lost shards")
+    task_max_retries: int = 5
+    retry_backoff_max_s: int = 300
+    soft_shutdown_timeout_s: float = 60.0
+    worker_heartbeat_file: Path = Path("/tmp/eagle3-worker-heartbeat")
+    worker_heartbeat_interval_s: float = Field(default=15.0, gt=0, description="liveness file touch period")
+
+    # Producer API
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    api_url: str = "http://127.0.0.1:8000"
+    api_token: str | None = None
+
+    # Target model default (a local Hugging Face folder) and local state
+    model_path: Path | None = None
+    home: Path = DEFAULT_HOME
+    progress_window_s: float = 60.0
+    demo_regenerate: bool = Field(
+        default=False, description="`eagle3 demo` regenerates the demo conversations with the target first"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.retry_backoff_max_s * 2 >= self.visibility_timeout_s:
+            raise ValueError(
+                f"visibility_timeout_s={self.visibility_timeout_s} must exceed twice retry_backoff_max_s="
+                f"{self.retry_backoff_max_s}, or retried shards are redelivered while they wait"
+            )
+        if self.api_token is not None and self.api_token in {"", "changethis"}:
+            raise ValueError("EAGLE3_API_TOKEN must be a real secret or unset")
+        return self
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,354 @@
+"""k8s/: every overlay rendered with kustomize (kubectl's) and validated strictly with kubernetes-validate; then
+the checks a schema cannot make: GPU limits, shared memory, probes, KEDA's list name against the real queue."""
+
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from shared.queue import EXTRACT_QUEUE
+from shared.settings import Settings
+from tests.deploy.tools import EAGLE3_IMAGE, K8S, OVERLAYS, find, parse_eagle3_command, render_kustomization
+
+# The newest Kubernetes the validator knows, and the oldest the manifests support (native sidecars: 1.29).
+K8S_VERSIONS = ("1.37.0", "1.29.0")
+SETTING_NAMES = {f"EAGLE3_{name.upper()}" for name in Settings.model_fields}
+KEDA_REDIS_METADATA = {
+    "address",
+    "addressFromEnv",
+    "host",
+    "hostFromEnv",
+    "port",
+    "portFromEnv",
+    "listName",
+    "listLength",
+    "activationListLength",
+    "databaseIndex",
+    "enableTLS",
+    "unsafeSsl",
+    "usernameFromEnv",
+    "passwordFromEnv",
+}
+KEDA_SPEC = {
+    "scaleTargetRef",
+    "pollingInterval",
+    "cooldownPeriod",
+    "initialCooldownPeriod",
+    "idleReplicaCount",
+    "minReplicaCount",
+    "maxReplicaCount",
+    "fallback",
+    "advanced",
+    "triggers",
+}
+VARIANTS = (*OVERLAYS, "gpu+hpa-fallback")
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out = {name: render_kustomization(K8S / "overlays" / name) for name in OVERLAYS}
+    # The HPA fallback is a kustomize Component: render it on top of the gpu overlay, as docs/deployment.md shows.
+    root = tmp_path_factory.mktemp("hpa-fallback")
+    relative = Path(os.path.relpath(K8S, root))
+    (root / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [str(relative / "overlays" / "gpu")],
+                "components": [str(relative / "components" / "hpa-fallback")],
+            }
+        )
+    )
+    out["gpu+hpa-fallback"] = render_kustomization(root)
+    return out
+
+
+def _settings_data(docs: list[dict[str, Any]]) -> dict[str, str]:
+    maps = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("eagle3-settings")]
+    assert len(maps) == 1
+    return maps[0]["data"]
+
+
+def _pod_spec(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return find(docs, kind, name)["spec"]["template"]["spec"]
+
+
+def _container(pod: dict[str, Any], name: str, *, init: bool = False) -> dict[str, Any]:
+    containers = pod.get("initContainers" if init else "containers", [])
+    matches = [c for c in containers if c["name"] == name]
+    assert len(matches) == 1, f"no {'init ' if init else ''}container {name}"
+    return matches[0]
+
+
+def _workloads(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
+        for d in docs
+        if d["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet")
+    ]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_overlay_renders_and_validates_strictly(
+    rendered: dict[str, list[dict[str, Any]]], variant: str, version: str
+) -> None:
+    docs = rendered[variant]
+    unknown_kinds = set()
+    for doc in docs:
+        where = f"{variant}: {doc['kind']}/{doc['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.SchemaNotFoundError:
+            unknown_kinds.add(doc["kind"])  # a CRD: checked below
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{where} is invalid for Kubernetes {version}: {exc.message} at {list(exc.path)}")
+    assert unknown_kinds <= {"ScaledObject"}, f"no schema for {unknown_kinds}"
+    assert all(d["metadata"].get("namespace") == "eagle3" for d in docs if d["kind"] != "Namespace")
+
+
+def test_strict_validation_rejects_unknown_fields(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    worker = find(rendered["gpu"], "Deployment", "worker")
+    worker["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(worker, K8S_VERSIONS[0], strict=True)
+
+
+def test_secret_template_is_valid_and_holds_no_secret() -> None:
+    template = yaml.safe_load((K8S / "base" / "secret.template.yaml").read_text())
+    kubernetes_validate.validate(template, K8S_VERSIONS[0], strict=True)
+    for key, value in template["stringData"].items():
+        assert value.startswith("<") and value.endswith(">"), f"{key}: the template holds a value, not a placeholder"
+        assert not key.startswith("EAGLE3_") or key in SETTING_NAMES
+    # The template must stay out of the kustomizations, or an unfilled Secret would be applied.
+    base = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())
+    assert "secret.template.yaml" not in base["resources"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_eagle3_variable_is_a_valid_setting(
+    rendered: dict[str, list[dict[str, Any]]], variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = rendered[variant]
+    data = _settings_data(docs)
+    names = set(data)
+    for _, pod in _workloads(docs):
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            names |= {e["name"] for e in container.get("env", [])}
+    for secret in (d for d in docs if d["kind"] == "Secret"):
+        names |= set(secret.get("data", {})) | set(secret.get("stringData", {}))
+    unknown = {n for n in names if n.startswith("EAGLE3_")} - SETTING_NAMES
+    assert not unknown, f"{variant} sets variables that are not fields of shared/settings.py: {sorted(unknown)}"
+    for key, value in data.items():
+        monkeypatch.setenv(key, value)
+    Settings(_env_file=None)  # the ConfigMap's values pass the settings validators
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_command_is_a_real_eagle3_subcommand(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    checked = set()
+    for workload, pod in _workloads(rendered[variant]):
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            if not EAGLE3_IMAGE.match(container["image"]):
+                continue
+            where = f"{variant}: {workload} container {container['name']}"
+            command = [c.replace("$(TRAIN_JOB)", "job-0") for c in container["command"]]
+            checked.add(parse_eagle3_command(command, where).command)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                exec_command = container.get(probe, {}).get("exec", {}).get("command")
+                if exec_command:
+                    parse_eagle3_command(exec_command, f"{where} {probe}")
+    assert {"api", "worker", "train"} <= checked
+
+
+def test_redis_scaledobject_scales_workers_on_the_real_queue(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for variant in OVERLAYS:
+        docs = rendered[variant]
+        scaled = find(docs, "ScaledObject", "worker")
+        assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+        spec = scaled["spec"]
+        assert set(spec) <= KEDA_SPEC, f"unknown ScaledObject fields {set(spec) - KEDA_SPEC}"
+        find(docs, "Deployment", spec["scaleTargetRef"]["name"])  # it targets a Deployment that exists
+        assert spec["scaleTargetRef"]["name"] == "worker"
+        assert 0 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "redis"
+        metadata = trigger["metadata"]
+        assert set(metadata) <= KEDA_REDIS_METADATA, f"unknown redis trigger keys {set(metadata) - KEDA_REDIS_METADATA}"
+        assert all(isinstance(v, str) for v in metadata.values()), "KEDA trigger metadata values must be strings"
+        assert metadata["listName"] == EXTRACT_QUEUE  # the list the workers consume (`eagle3 worker --queues`)
+        assert int(metadata["listLength"]) >= 1
+        # The same Redis and database as the workers' broker.
+        broker = urlparse(_settings_data(docs)["EAGLE3_REDIS_URL"])
+        assert metadata["address"] == f"{broker.hostname}:{broker.port or 6379}"
+        assert broker.hostname.endswith(".svc.cluster.local"), "KEDA resolves the address from its own namespace"
+        assert metadata["databaseIndex"] == (broker.path.lstrip("/") or "0")
+
+        scale_down = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]
+        assert scale_down["stabilizationWindowSeconds"] >= 300
+
+
+def test_hpa_fallback_replaces_the_scaledobject(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["gpu+hpa-fallback"]
+    assert not [d for d in docs if d["kind"] == "ScaledObject"]
+    hpa = find(docs, "HorizontalPodAutoscaler", "worker")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "worker"}
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_worker_pod_runs_inference_as_a_native_sidecar(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    docs = rendered[variant]
+    data = _settings_data(docs)
+    pod = _pod_spec(docs, "Deployment", "worker")
+    inference = _container(pod, "inference", init=True)
+    worker = _container(pod, "worker")
+
+    # Started before the worker, ready only once the model is loaded, stopped after the worker exits.
+    assert inference["restartPolicy"] == "Always"
+    assert [c["name"] for c in pod["initContainers"]][-1] == "inference", "the sidecar must be the last init container"
+    port = int(data["EAGLE3_INFERENCE_PORT"])
+    named_ports = {p["name"]: p["containerPort"] for p in inference["ports"]}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        http = inference[probe]["httpGet"]
+        assert http["path"] == "/health"
+        assert named_ports.get(http["port"], http["port"]) == port, f"{probe} probes another port"
+        assert inference[probe].get("timeoutSeconds", 1) > 20, "SGLang's /health can take up to 20 s"
+    startup = inference["startupProbe"]
+    startup_budget_s = startup["periodSeconds"] * startup["failureThreshold"]
+    assert startup_budget_s >= (1800 if variant == "gpu" else 600), "too short for model loading"
+    assert data["EAGLE3_INFERENCE_HOST"] == "0.0.0.0", "the kubelet probes the pod IP"
+    assert urlparse(data["EAGLE3_INFERENCE_URL"]).port == port
+    assert urlparse(data["EAGLE3_INFERENCE_URL"]).hostname in ("127.0.0.1", "localhost")
+
+    # Liveness of the worker: the local heartbeat (connected but not consuming), never a broker round trip.
+    for probe in ("startupProbe", "livenessProbe"):
+        command = worker[probe]["exec"]["command"]
+        args = parse_eagle3_command(command, f"worker {probe}")
+        assert args.command == "worker-probe"
+        assert args.max_age >= 4 * 15, "several heartbeat intervals (15 s)"
+    assert "readinessProbe" not in worker
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_shared_memory_is_a_memory_emptydir_in_both_containers(
+    rendered: dict[str, list[dict[str, Any]]], variant: str
+) -> None:
+    docs = rendered[variant]
+    data = _settings_data(docs)
+    pod = _pod_spec(docs, "Deployment", "worker")
+    assert data["EAGLE3_CAPTURE_TRANSPORT"] == "shm"
+    shm_dir = Path(data["EAGLE3_SHM_DIR"])
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for container in (_container(pod, "inference", init=True), _container(pod, "worker")):
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert "/dev/shm" in mounts, f"{container['name']} has no /dev/shm volume"
+        volume = volumes[mounts["/dev/shm"]]
+        assert volume["emptyDir"]["medium"] == "Memory"
+        assert volume["emptyDir"].get("sizeLimit")
+        holder = max((p for p in mounts if shm_dir.is_relative_to(p)), key=len)
+        assert mounts[holder] == mounts["/dev/shm"], f"{container['name']}: {shm_dir} is not on the shared volume"
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_gpu_limit_is_on_the_inference_container_only(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    docs = rendered[variant]
+    pod = _pod_spec(docs, "Deployment", "worker")
+    inference = _container(pod, "inference", init=True)
+    worker = _container(pod, "worker")
+    assert "nvidia.com/gpu" not in worker.get("resources", {}).get("limits", {})
+    if variant == "gpu":
+        assert inference["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert inference["resources"]["requests"]["nvidia.com/gpu"] == 1  # requests must equal limits
+        assert "eagle3-sglang" in inference["image"]
+        assert "command" not in inference, "the SGLang image starts itself"
+        assert _container(_pod_spec(docs, "Deployment", "trainer"), "trainer")["resources"]["limits"]["nvidia.com/gpu"]
+    else:
+        for _, any_pod in _workloads(docs):
+            for c in any_pod.get("containers", []) + any_pod.get("initContainers", []):
+                assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {}), f"{c['name']} asks for a GPU"
+        assert "eagle3-inference" in inference["image"]
+        assert inference["command"] == ["eagle3", "inference"]
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_termination_grace_outlasts_soft_shutdown(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    docs = rendered[variant]
+    pod = _pod_spec(docs, "Deployment", "worker")
+    soft_shutdown_s = float(_settings_data(docs)["EAGLE3_SOFT_SHUTDOWN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] >= soft_shutdown_s + 60
+    env = {e["name"]: e.get("value") for e in _container(pod, "worker").get("env", [])}
+    assert env["REMAP_SIGTERM"] == "SIGQUIT", "SIGTERM must start Celery's soft shutdown, which re-queues"
+    assert pod["terminationGracePeriodSeconds"] >= 300, "longer than a shard"
+
+
+def test_pdb_covers_the_worker_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for variant in OVERLAYS:
+        docs = rendered[variant]
+        pdb = find(docs, "PodDisruptionBudget", "worker")
+        labels = find(docs, "Deployment", "worker")["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert pdb["spec"].get("maxUnavailable") == 1
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_redis_is_a_statefulset_with_aof_on_a_volume(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    docs = rendered[variant]
+    redis = find(docs, "StatefulSet", "redis")
+    container = _container(redis["spec"]["template"]["spec"], "redis")
+    args = " ".join(container["args"])
+    assert "--appendonly yes" in args and "--appendfsync everysec" in args and "--maxmemory-policy noeviction" in args
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": "/data"} in container["volumeMounts"]
+    service = find(docs, "Service", "redis")
+    assert urlparse(_settings_data(docs)["EAGLE3_REDIS_URL"]).hostname.startswith(f"{service['metadata']['name']}.")
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_producer_service_reaches_the_api_port(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    docs = rendered[variant]
+    data = _settings_data(docs)
+    service = find(docs, "Service", "producer")
+    producer = _container(_pod_spec(docs, "Deployment", "producer"), "producer")
+    named = {p["name"]: p["containerPort"] for p in producer["ports"]}
+    (port,) = service["spec"]["ports"]
+    assert named[port["targetPort"]] == int(data["EAGLE3_API_PORT"]) == port["port"]
+    assert data["EAGLE3_API_HOST"] == "0.0.0.0"
+    assert urlparse(data["EAGLE3_API_URL"]).hostname.startswith("producer.")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert producer[probe]["httpGet"]["path"] == "/health"
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_pods_run_as_non_root_and_mount_what_they_declare(
+    rendered: dict[str, list[dict[str, Any]]], variant: str
+) -> None:
+    docs = rendered[variant]
+    config_maps = {d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"}
+    secrets = {d["metadata"]["name"] for d in docs if d["kind"] == "Secret"}
+    for workload, pod in _workloads(docs):
+        volumes = {v["name"] for v in pod.get("volumes", [])}
+        templates = {
+            t["metadata"]["name"] for d in docs if d["kind"] == "StatefulSet" for t in d["spec"]["volumeClaimTemplates"]
+        }
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            where = f"{variant}: {workload} container {container['name']}"
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes | templates, f"{where} mounts undeclared volume {mount['name']}"
+            for source in container.get("envFrom", []):
+                if "configMapRef" in source:
+                    assert source["configMapRef"]["name"] in config_maps, f"{where}: no ConfigMap"
+                if "secretRef" in source:
+                    ref = source["secretRef"]
+                    assert ref.get("optional") or ref["name"] in secrets, f"{where}: Secret {ref['name']} missing"
+            if EAGLE3_IMAGE.match(container["image"]) or "eagle3-sglang" in container["image"]:
+                context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+                assert context.get("runAsNonRoot") is True, f"{where} may run as root"
+                assert context.get("runAsUser", 0) != 0
+                assert context.get("allowPrivilegeEscalation") is False

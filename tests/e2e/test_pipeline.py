@@ -1,0 +1,218 @@
+"""The whole pipeline over real processes: redis-server, a SeaweedFS S3 server, the reference inference
+server with a real (tiny random) Llama, two Celery worker processes and the producer API."""
+
+import hashlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from celery import Celery
+
+from shared import layout, progress
+from shared.datasets import Conversation, read_dataset
+from shared.errors import InvalidSample
+from shared.jobs import load_job, load_shard_input
+from shared.local_stack import LocalStack
+from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK
+from shared.schemas import Manifest, Progress
+from shared.settings import Settings
+from shared.shard_format import decode_sample
+from shared.storage import Storage, open_storage
+from shared.tokenization import ChatTokenizer
+from shared.vocab import load_vocab_mapping
+from tests.datasets import BAD_LINES, write_dataset
+from tests.reference_checks import HFReference, assert_matches_layers
+
+pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.seaweedfs"]
+pytestmark = pytest.mark.slow
+
+
+class Deployment:
+    def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
+        self.stack, self.settings, self.storage = stack, settings, storage
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.api = httpx.Client(base_url=stack.api_url, timeout=120)
+
+    def submit(self, dataset: Path, **spec: object) -> dict:
+        response = self.api.post("/v1/jobs", json={"dataset_url": str(dataset), **spec})
+        assert response.status_code == 201, response.text
+        return response.json()["job"]
+
+    def wait(self, job_id: str, timeout_s: float = 180) -> Progress:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = progress.job_progress(self.redis, job_id)
+            if p.finished:
+                return p
+            self.stack.check_alive()
+            time.sleep(0.3)
+        raise TimeoutError(f"job {job_id} not finished: {progress.job_progress(self.redis, job_id)}")
+
+    def manifests(self, job_id: str) -> list[Manifest]:
+        return [
+            Manifest.model_validate_json(self.storage.get(k))
+            for k in self.storage.list(layout.manifests_prefix(job_id))
+        ]
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    home = tmp_path_factory.mktemp("home")
+    settings = Settings(
+        redis_url=redis_server,
+        storage_url=f"s3://{s3_server.bucket}/e2e-{uuid.uuid4().hex[:8]}",
+        s3_endpoint_url=s3_server.endpoint_url,
+        model_path=tiny_model_dir,
+        home=home,
+        inference_concurrency=2,
+        task_max_retries=1,
+        retry_backoff_max_s=1,
+        visibility_timeout_s=8,
+        redelivery_sweep_s=1,
+        inference_ready_timeout_s=2,
+        soft_shutdown_timeout_s=2,
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in s3_server.env().items():
+            if name.startswith("AWS_"):  # credentials for boto3 here and in every child process
+                mp.setenv(name, value)
+        with LocalStack(settings, workers=2, log_dir=home / "logs", pick_free_ports=True) as stack:
+            yield Deployment(stack, settings, open_storage(settings.storage_url, settings))
+
+
+def test_job_commits_exact_tensors_masks_and_manifests(
+    deployment: Deployment, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    dataset, bad_at = write_dataset(tmp_path / "data.jsonl")
+    job = deployment.submit(
+        dataset, max_length=256, length_policy="reject", shard_token_budget=200, draft_vocab_size=64
+    )
+    p = deployment.wait(job["job_id"])
+    storage = deployment.storage
+
+    assert p.state == "completed", p
+    assert p.samples_rejected == len(BAD_LINES)
+    rejected = deployment.api.get(f"/v1/jobs/{job['job_id']}/rejected").json()
+    assert {r["line"] for r in rejected} == set(bad_at.values())
+    assert all(r["reason"] and r["field"] for r in rejected)
+
+    record = load_job(storage, job["job_id"])
+    assert record.aux_layer_ids == [1, 3, 4] and record.hidden_size == 64
+    mapping = load_vocab_mapping(storage.get(layout.vocab_mapping(job["job_id"])))
+    assert mapping.d2t.shape == (64,) and int(mapping.t2d.sum()) == 64
+
+    manifests = deployment.manifests(job["job_id"])
+    assert len(manifests) == record.shards_total > 1
+    samples = [s for m in manifests for s in m.samples]
+    assert sorted(s.sample_index for s in samples) == list(range(record.samples_total))
+
+    tokenizer = ChatTokenizer.from_pretrained(tiny_model_dir)
+    expected = {}
+    for item in read_dataset(dataset.read_text().splitlines()):
+        if isinstance(item, Conversation):
+            try:
+                expected[item.sample_id] = tokenizer.tokenize(item, max_length=256, length_policy="reject")
+            except InvalidSample:
+                continue
+    reference = HFReference(tiny_model_dir)
+    for s in samples:
+        data = storage.get(s.key)
+        assert len(data) == s.bytes and hashlib.sha256(data).hexdigest() == s.sha256
+        stored = decode_sample(data)
+        assert stored["input_ids"].tolist() == expected[s.sample_id].input_ids
+        assert stored["loss_mask"].tolist() == expected[s.sample_id].loss_mask
+        assert_matches_layers(stored, reference, record.aux_layer_ids)
+
+    assert p.samples_done == record.samples_total == len(samples)
+    assert p.tokens_done == record.tokens_total == sum(m.num_tokens for m in manifests)
+    assert p.bytes_stored == sum(m.bytes for m in manifests) == sum(s.bytes for s in samples)
+    assert deployment.api.get(f"/v1/jobs/{job['job_id']}").json()["progress"]["tokens_done"] == p.tokens_done
+    metrics = deployment.api.get("/metrics").text
+    assert f'eagle3_job_tokens_done{{job_id="{job["job_id"]}",state="completed"}} {float(p.tokens_done)}' in metrics
+
+
+def test_duplicate_deliveries_commit_each_shard_once(deployment: Deployment, tmp_path: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False, repeat=2)
+    job = deployment.submit(dataset, shard_token_budget=150)
+    sender = Celery(broker=deployment.settings.redis_url)
+    for shard_index in range(job["shards_total"]):  # every shard delivered a second time, concurrently
+        sender.send_task(EXTRACT_TASK, args=[job["job_id"], shard_index], queue=EXTRACT_QUEUE)
+    p = deployment.wait(job["job_id"])
+    time.sleep(2)  # let the duplicates finish too
+    p = progress.job_progress(deployment.redis, job["job_id"])
+    manifests = deployment.manifests(job["job_id"])
+    assert len(manifests) == job["shards_total"]
+    keys = [s.key for m in manifests for s in m.samples]
+    assert len(keys) == len(set(keys)) == job["samples_total"]
+    for m in manifests:
+        for s in m.samples:
+            assert hashlib.sha256(deployment.storage.get(s.key)).hexdigest() == s.sha256
+    assert (p.state, p.tokens_done, p.samples_done) == ("completed", job["tokens_total"], job["samples_total"])
+
+
+def test_killed_workers_shards_are_redelivered_and_committed_once(deployment: Deployment, tmp_path: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False, repeat=6)
+    job = deployment.submit(dataset, shard_token_budget=400)
+    job_id, storage = job["job_id"], deployment.storage
+
+    shard_of = {
+        s.sample_index: k for k in range(job["shards_total"]) for s in load_shard_input(storage, job_id, k).samples
+    }
+
+    def mid_shard() -> bool:
+        committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
+        started = {int(k.rsplit("data_", 1)[1].removesuffix(".pt")) for k in storage.list(f"{job_id}/rows_")}
+        return any(shard_of[i] not in committed for i in started)
+
+    deadline = time.monotonic() + 60
+    while not mid_shard():
+        assert time.monotonic() < deadline, "never saw a shard in progress"
+        time.sleep(0.02)
+    for name, process in deployment.stack.processes:
+        if name.startswith("worker-"):
+            os.killpg(process.pid, signal.SIGKILL)  # the whole worker, pool children included: a pod dies
+    deployment.stack.processes = [(n, p) for n, p in deployment.stack.processes if not n.startswith("worker-")]
+    for _ in range(2):
+        deployment.stack.add_worker()
+
+    p = deployment.wait(job_id, timeout_s=240)
+    manifests = deployment.manifests(job_id)
+    indices = [s.sample_index for m in manifests for s in m.samples]
+    assert sorted(indices) == list(range(job["samples_total"]))  # every sample present, once
+    assert (p.state, p.tokens_done, p.shards_committed) == ("completed", job["tokens_total"], job["shards_total"])
+
+
+def test_dead_inference_server_dead_letters_then_resume_completes(deployment: Deployment, tmp_path: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
+    inference = dict(deployment.stack.processes)["inference"]
+    os.killpg(inference.pid, signal.SIGKILL)
+    inference.wait()
+    deployment.stack.processes = [(n, p) for n, p in deployment.stack.processes if n != "inference"]
+    job = deployment.submit(dataset, shard_token_budget=300)
+    p = deployment.wait(job["job_id"], timeout_s=120)
+    assert p.state == "completed_with_errors" and p.shards_dead_lettered == job["shards_total"]
+    assert p.samples_failed == job["samples_total"] and p.tokens_failed == job["tokens_total"]
+    letters = deployment.storage.list(layout.dead_letter_prefix(job["job_id"]))
+    assert len(letters) == job["shards_total"]
+    letter = deployment.storage.get(letters[0]).decode()
+    assert "InferenceUnavailable" in letter and deployment.stack.env["EAGLE3_INFERENCE_URL"] in letter
+    assert not deployment.storage.list(layout.manifests_prefix(job["job_id"]))
+
+    deployment.stack.start_inference()
+    assert deployment.api.post(f"/v1/jobs/{job['job_id']}/resume").status_code == 200
+    p = deployment.wait(job["job_id"])
+    assert (p.state, p.shards_dead_lettered, p.samples_failed, p.tokens_done) == (
+        "completed",
+        0,
+        0,
+        job["tokens_total"],
+    )
+    assert not deployment.storage.list(layout.dead_letter_prefix(job["job_id"]))

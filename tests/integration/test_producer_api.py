@@ -1,0 +1,140 @@
+"""The producer API in-process (FastAPI's TestClient) over a real Redis and real file storage; tasks are
+collected instead of sent, so these tests see exactly what would be enqueued."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.producer.app import create_app
+from services.producer.deps import get_enqueue
+from shared.settings import Settings
+from tests.datasets import BAD_LINES, write_dataset
+
+pytest_plugins = ["tests.fixtures.redis_server"]
+
+
+class Api:
+    def __init__(self, client: TestClient, enqueued: list[tuple[str, int]], settings: Settings) -> None:
+        self.client, self.enqueued, self.settings = client, enqueued, settings
+
+
+def make_api(settings: Settings) -> Iterator[Api]:
+    enqueued: list[tuple[str, int]] = []
+    app = create_app(settings)
+    app.dependency_overrides[get_enqueue] = lambda: lambda job_id, shard: enqueued.append((job_id, shard))
+    with TestClient(app) as client:
+        yield Api(client, enqueued, settings)
+
+
+@pytest.fixture
+def api(redis_url: str, tmp_path: Path) -> Iterator[Api]:
+    yield from make_api(Settings(redis_url=redis_url, storage_url=(tmp_path / "store").as_uri()))
+
+
+def test_submit_plans_shards_and_reports_progress(api: Api, tiny_model_dir: Path, tmp_path: Path) -> None:
+    dataset, bad_at = write_dataset(tmp_path / "data.jsonl")
+    response = api.client.post(
+        "/v1/jobs",
+        json={
+            "dataset_url": str(dataset),
+            "model_path": str(tiny_model_dir),
+            "shard_token_budget": 120,
+            "max_length": 256,
+            "length_policy": "reject",
+        },
+    )
+    assert response.status_code == 201, response.text
+    body = response.json()
+    job, progress = body["job"], body["progress"]
+    assert [shard for _, shard in api.enqueued] == list(range(job["shards_total"]))
+    assert progress["state"] == "queued" and progress["samples_rejected"] == len(BAD_LINES)
+    assert progress["tokens_total"] == job["tokens_total"] > 0 and progress["tokens_done"] == 0
+    assert api.client.get(f"/v1/jobs/{job['job_id']}").json()["job"]["aux_layer_ids"] == [1, 3, 4]
+    assert [p["job_id"] for p in api.client.get("/v1/jobs").json()] == [job["job_id"]]
+    rejected = api.client.get(f"/v1/jobs/{job['job_id']}/rejected").json()
+    assert sorted(r["line"] for r in rejected) == sorted(bad_at.values())
+    assert api.client.post(f"/v1/jobs/{job['job_id']}/cancel").json()["state"] == "cancelled"
+
+
+def test_upload_keeps_the_dataset_with_the_job(api: Api, tiny_model_dir: Path, tmp_path: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
+    response = api.client.post(
+        "/v1/jobs/upload",
+        files={"dataset": dataset.open("rb")},
+        data={"spec": f'{{"model_path": "{tiny_model_dir}", "job_id": "uploaded"}}'},
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["job"]["spec"]["dataset_url"].endswith("/uploaded/dataset.jsonl")
+    assert (tmp_path / "store" / "uploaded" / "dataset.jsonl").read_bytes() == dataset.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "message"),
+    [
+        pytest.param(
+            {"dataset_url": "/nowhere/data.jsonl"}, 422, "dataset /nowhere/data.jsonl not found", id="missing-dataset"
+        ),
+        pytest.param(
+            {"model_path": "/nowhere/model"}, 422, "model folder /nowhere/model not found", id="missing-model"
+        ),
+        pytest.param({"aux_layer_ids": [1, 2, 99]}, 422, "aux_layer_ids [1, 2, 99]", id="layer-out-of-range"),
+    ],
+)
+def test_bad_submit_is_refused_and_nothing_is_enqueued(
+    api: Api, tiny_model_dir: Path, tmp_path: Path, change: dict, status: int, message: str
+) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl")
+    spec = {"dataset_url": str(dataset), "model_path": str(tiny_model_dir), **change}
+    response = api.client.post("/v1/jobs", json=spec)
+    assert response.status_code == status and message in response.json()["detail"]
+    assert api.enqueued == [] and api.client.get("/v1/jobs").json() == []
+
+
+def test_job_over_the_storage_budget_is_refused_up_front(redis_url: str, tmp_path: Path, tiny_model_dir: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl")
+    settings = Settings(redis_url=redis_url, storage_url=(tmp_path / "store").as_uri(), storage_budget_bytes=10_000)
+    for api in make_api(settings):
+        response = api.client.post("/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(tiny_model_dir)})
+        assert response.status_code == 413
+        assert "storage budget is 0.00 GB" in response.json()["detail"]
+        assert (api.enqueued == [] and not (tmp_path / "store").exists()) or not list((tmp_path / "store").iterdir())
+
+
+def test_unreachable_redis_is_a_clear_503(tmp_path: Path, tiny_model_dir: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl")
+    settings = Settings(redis_url="redis://127.0.0.1:1/0", storage_url=(tmp_path / "store").as_uri())
+    for api in make_api(settings):
+        response = api.client.post("/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(tiny_model_dir)})
+        assert response.status_code == 503 and "Redis at redis://127.0.0.1:1/0 is not reachable" in response.text
+        assert api.enqueued == []
+
+
+def test_unreachable_storage_is_a_clear_503(redis_url: str, tmp_path: Path, tiny_model_dir: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the storage root should be")
+    settings = Settings(redis_url=redis_url, storage_url=blocker.as_uri())
+    for api in make_api(settings):
+        response = api.client.post("/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(tiny_model_dir)})
+        assert response.status_code == 503 and "storage" in response.json()["detail"]
+        assert api.enqueued == []
+
+
+def test_mutating_endpoints_need_the_token_when_set(redis_url: str, tmp_path: Path, tiny_model_dir: Path) -> None:
+    dataset, _ = write_dataset(tmp_path / "data.jsonl")
+    settings = Settings(redis_url=redis_url, storage_url=(tmp_path / "store").as_uri(), api_token="s3cret-token")
+    spec = {"dataset_url": str(dataset), "model_path": str(tiny_model_dir)}
+    for api in make_api(settings):
+        assert api.client.post("/v1/jobs", json=spec).status_code == 401
+        assert api.client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        response = api.client.post("/v1/jobs", json=spec, headers={"Authorization": "Bearer s3cret-token"})
+        assert response.status_code == 201
+        assert api.client.get("/v1/jobs").status_code == 200  # reading needs no token
+
+
+def test_metrics_dashboard_and_openapi_are_served(api: Api) -> None:
+    assert api.client.get("/metrics").status_code == 200
+    assert "EAGLE-3" in api.client.get("/dashboard").text
+    assert "/v1/jobs" in api.client.get("/openapi.json").json()["paths"]

@@ -1,0 +1,149 @@
+"""Progress accounting against a real Redis: exactly-once counts, rate, ETA, states, rebuild from storage."""
+
+import redis
+
+from shared import layout, progress
+from shared.schemas import (
+    DeadLetter,
+    JobRecord,
+    JobSpec,
+    Manifest,
+    ManifestSample,
+    ModelRecord,
+    SampleInput,
+    ShardInput,
+)
+from shared.storage import open_storage
+
+pytest_plugins = ["tests.fixtures.redis_server"]
+
+
+def make_job(shards: int = 3, tokens_per_shard: int = 100) -> JobRecord:
+    return JobRecord(
+        job_id="job-a",
+        created_at="2026-01-01T00:00:00",
+        spec=JobSpec(dataset_url="/x.jsonl"),
+        model=ModelRecord(
+            path="/m",
+            architecture="LlamaForCausalLM",
+            num_hidden_layers=8,
+            hidden_size=64,
+            vocab_size=512,
+            template_hash="h",
+        ),
+        aux_layer_ids=[1, 3, 4],
+        hidden_size=64,
+        bytes_per_token=528,
+        samples_total=2 * shards,
+        samples_rejected=1,
+        samples_truncated=0,
+        tokens_total=shards * tokens_per_shard,
+        loss_tokens_total=10,
+        shards_total=shards,
+        projected_bytes=shards * tokens_per_shard * 528,
+        draft_vocab_size=100,
+        vocab_coverage=1.0,
+        versions={},
+    )
+
+
+def make_manifest(shard_index: int, tokens: int = 100, nbytes: int = 50_000) -> Manifest:
+    samples = [
+        ManifestSample(
+            sample_index=2 * shard_index + i,
+            sample_id=f"s{i}",
+            key=f"k{i}",
+            num_tokens=tokens // 2,
+            loss_tokens=1,
+            bytes=nbytes // 2,
+            sha256="0" * 64,
+        )
+        for i in range(2)
+    ]
+    return Manifest(
+        job_id="job-a",
+        shard_index=shard_index,
+        aux_layer_ids=[1, 3, 4],
+        hidden_size=64,
+        dtype="bfloat16",
+        samples=samples,
+        num_samples=2,
+        num_tokens=tokens,
+        loss_tokens=2,
+        bytes=nbytes,
+        worker="w",
+        started_at="t",
+        committed_at="t",
+        timings_s={},
+    )
+
+
+def test_commit_counts_once_and_job_completes(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    progress.register_job(client, make_job(), "file:///tmp/x")
+    assert progress.job_progress(client, "job-a").state == "queued"
+    assert progress.record_commit(client, make_manifest(0))
+    assert not progress.record_commit(client, make_manifest(0))  # redelivered: not counted again
+    p = progress.job_progress(client, "job-a", budget_bytes=10**6)
+    assert (p.state, p.shards_committed, p.samples_done, p.tokens_done, p.bytes_stored) == (
+        "running",
+        1,
+        2,
+        100,
+        50_000,
+    )
+    assert p.bytes_per_token == 500 and p.projected_total_bytes == 150_000
+    assert p.budget_headroom_bytes == 10**6 - 150_000
+    assert p.tokens_per_second > 0 and p.eta_seconds is not None
+    progress.record_commit(client, make_manifest(1))
+    progress.record_commit(client, make_manifest(2))
+    p = progress.job_progress(client, "job-a")
+    assert p.state == "completed" and p.tokens_done == p.tokens_total == 300 and p.eta_seconds == 0
+    events = client.xrange(progress.events_key("job-a"))
+    assert [e[1][b"shard_index"] for e in events] == [b"0", b"1", b"2"]
+
+
+def test_dead_letter_then_commit_on_resume_moves_counts(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    progress.register_job(client, make_job(shards=1), "file:///tmp/x")
+    letter = DeadLetter(
+        job_id="job-a", shard_index=0, error_type="InferenceUnavailable", reason="down", retries=3, worker="w"
+    )
+    assert progress.record_dead_letter(client, letter, num_samples=2, num_tokens=100)
+    assert not progress.record_dead_letter(client, letter, num_samples=2, num_tokens=100)
+    p = progress.job_progress(client, "job-a")
+    assert (p.state, p.shards_dead_lettered, p.samples_failed, p.tokens_failed) == ("completed_with_errors", 1, 2, 100)
+    progress.record_commit(client, make_manifest(0))
+    p = progress.job_progress(client, "job-a")
+    assert (p.state, p.shards_dead_lettered, p.samples_failed, p.shards_committed) == ("completed", 0, 0, 1)
+
+
+def test_cancel_marks_job_cancelled(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    progress.register_job(client, make_job(), "file:///tmp/x")
+    progress.cancel(client, "job-a")
+    assert progress.is_cancelled(client, "job-a")
+    assert progress.job_progress(client, "job-a").state == "cancelled"
+
+
+def test_rebuild_recounts_from_storage(redis_url: str, tmp_path) -> None:
+    client = redis.Redis.from_url(redis_url)
+    storage = open_storage(tmp_path.as_uri())
+    job = make_job()
+    progress.register_job(client, job, storage.url)
+    for k in range(2):
+        storage.put(layout.manifest("job-a", k), make_manifest(k).model_dump_json().encode())
+    shard = ShardInput(
+        job_id="job-a",
+        shard_index=2,
+        samples=[SampleInput(sample_index=4, sample_id="s", line=1, input_ids=[1] * 60, loss_mask=[1] * 60)],
+    )
+    storage.put(layout.shard_input("job-a", 2), shard.model_dump_json().encode())
+    letter = DeadLetter(job_id="job-a", shard_index=2, error_type="E", reason="r", retries=0, worker="w")
+    storage.put(layout.dead_letter("job-a", 2), letter.model_dump_json().encode())
+    client.flushdb()  # Redis lost everything
+    progress.register_job(client, job, storage.url)
+    progress.rebuild(client, storage, job)
+    p = progress.job_progress(client, "job-a")
+    assert (p.shards_committed, p.tokens_done, p.shards_dead_lettered, p.tokens_failed) == (2, 200, 1, 60)
+    assert p.state == "completed_with_errors"

@@ -1,0 +1,332 @@
+"""The drafter: shapes from the target, frozen shared embedding, vocab mapping, and the two attention layouts
+(decoding KV cache and training-time test) agreeing with the plain full-sequence pass."""
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaForCausalLM
+
+from services.trainer.drafter import (
+    DrafterConfig,
+    Eagle3Drafter,
+    KVCache,
+    TargetHead,
+    TTTCache,
+    build_drafter,
+    load_target_embeddings,
+    read_target_config,
+    ttt_attention,
+    ttt_attention_sdpa,
+)
+from shared.errors import ConfigurationError
+from shared.vocab import VocabMapping, build_vocab_mapping
+
+AUX_LAYER_IDS = [1, 3, 4]  # the default [1, N//2 - 1, N - 4] for the 8-layer tiny target
+DRAFT_VOCAB = 128
+
+
+def small_mapping(target_vocab_size: int, draft_vocab_size: int = DRAFT_VOCAB) -> VocabMapping:
+    # Odd ids are "frequent": the draft vocab is a strided subset, so d2t is not all zeros.
+    counts = Counter({token: 2 if token % 2 else 1 for token in range(target_vocab_size)})
+    return build_vocab_mapping(counts, target_vocab_size=target_vocab_size, draft_vocab_size=draft_vocab_size)
+
+
+def random_config(**overrides: object) -> DrafterConfig:
+    fields = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "vocab_size": 96,
+        "draft_vocab_size": 48,
+        "target_hidden_size": 64,
+        "aux_layer_ids": [1, 3, 4],
+    }
+    return DrafterConfig(**{**fields, **overrides})  # type: ignore[arg-type]
+
+
+def random_inputs(config: DrafterConfig, batch: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    embeds = torch.randn(batch, seq_len, config.hidden_size, generator=generator)
+    hidden = torch.randn(batch, seq_len, config.hidden_size, generator=generator)
+    positions = torch.arange(seq_len).expand(batch, seq_len)
+    return embeds, hidden, positions
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(tiny_model_dir: Path) -> tuple[Eagle3Drafter, TargetHead, VocabMapping]:
+    target_vocab_size = read_target_config(tiny_model_dir)["vocab_size"]
+    mapping = small_mapping(target_vocab_size)
+    torch.manual_seed(0)
+    drafter, target_head = build_drafter(tiny_model_dir, mapping, aux_layer_ids=AUX_LAYER_IDS)
+    return drafter, target_head, mapping
+
+
+def test_config_follows_the_target(tiny_model_dir: Path) -> None:
+    config = DrafterConfig.from_target_config(
+        {
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "num_hidden_layers": 30,
+            "rms_norm_eps": 1e-5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},  # transformers 5 layout
+            "max_position_embeddings": 8192,
+            "vocab_size": 49152,
+        },
+        draft_vocab_size=32000,
+        aux_layer_ids=[1, 14, 26],
+    )
+    assert (config.hidden_size, config.target_hidden_size, config.head_dim) == (576, 576, 64)
+    assert (config.rope_theta, config.draft_vocab_size, config.vocab_size) == (100000.0, 32000, 49152)
+    legacy = DrafterConfig.from_target_config(
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 8,
+            "rope_theta": 500000.0,  # transformers 4 layout
+            "vocab_size": 100,
+        },
+        draft_vocab_size=50,
+        aux_layer_ids=AUX_LAYER_IDS,
+    )
+    assert (legacy.rope_theta, legacy.num_key_value_heads, legacy.head_dim) == (500000.0, 4, 16)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        pytest.param({"aux_layer_ids": [1, 3]}, "aux_layer_ids", id="two-aux-layers"),
+        pytest.param({"draft_vocab_size": 97}, "draft_vocab_size", id="draft-vocab-larger-than-target"),
+        pytest.param({"target_hidden_size": 32}, "target_hidden_size", id="embedding-not-shareable"),
+        pytest.param({"num_key_value_heads": 3}, "num_key_value_heads", id="heads-not-grouped"),
+        pytest.param({"attn_implementation": "flash"}, "attn_implementation", id="unknown-attention"),
+    ],
+)
+def test_config_refuses_shapes_that_cannot_work(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        random_config(**overrides)
+
+
+def test_build_drafter_refuses_aux_layers_outside_the_target(tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigurationError, match="outside the target"):
+        build_drafter(
+            tiny_model_dir, small_mapping(read_target_config(tiny_model_dir)["vocab_size"]), aux_layer_ids=[1, 3, 8]
+        )
+
+
+def test_shapes(tiny_drafter: tuple[Eagle3Drafter, TargetHead, VocabMapping]) -> None:
+    drafter, target_head, _ = tiny_drafter
+    config = drafter.config
+    B, T, H = 2, 7, config.hidden_size
+    input_ids = torch.randint(0, config.vocab_size, (B, T))
+    aux = torch.randn(B, T, 3 * config.target_hidden_size, dtype=torch.bfloat16)  # shards store bf16
+
+    embeds = drafter.embed_input_ids(input_ids)
+    hidden = drafter.project_hidden_states(aux)
+    out = drafter.backbone(embeds, hidden, torch.arange(T).expand(B, T))
+    logits = drafter.compute_logits(out)
+
+    assert embeds.shape == hidden.shape == out.shape == (B, T, H)
+    assert logits.shape == (B, T, DRAFT_VOCAB)
+    assert target_head(torch.randn(B, T, H)).shape == (B, T, config.vocab_size)
+    assert drafter.midlayer.self_attn.q_proj.in_features == 2 * H  # attention reads cat(embedding, hidden)
+    assert drafter.fc.in_features == 3 * config.target_hidden_size
+
+
+def test_vocab_mapping_is_set_and_maps_draft_to_target(
+    tiny_drafter: tuple[Eagle3Drafter, TargetHead, VocabMapping],
+) -> None:
+    drafter, _, mapping = tiny_drafter
+    assert torch.equal(drafter.d2t, mapping.d2t) and torch.equal(drafter.t2d, mapping.t2d)
+    assert drafter.d2t.any(), "the strided draft vocab must give non-zero offsets"
+    target_ids = drafter.draft_to_target(torch.arange(DRAFT_VOCAB))
+    assert torch.equal(target_ids, mapping.t2d.nonzero().flatten())
+    assert {"d2t", "t2d"} <= set(drafter.state_dict())  # buffers travel with every checkpoint
+
+
+def test_embeddings_are_the_targets_and_stay_frozen(
+    tiny_model_dir: Path, tiny_drafter: tuple[Eagle3Drafter, TargetHead, VocabMapping]
+) -> None:
+    drafter, target_head, _ = tiny_drafter
+    with safe_open(tiny_model_dir / "model.safetensors", framework="pt") as handle:
+        stored = handle.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(load_target_embeddings(tiny_model_dir), stored)
+    assert torch.equal(drafter.embed_tokens.weight, stored.float())
+
+    trainable = {name for name, p in drafter.named_parameters() if p.requires_grad}
+    assert "embed_tokens.weight" not in trainable and "fc.weight" in trainable
+    assert not any(p.requires_grad for p in target_head.parameters())
+
+    before = drafter.embed_tokens.weight.clone()
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    B, T = 2, 5
+    out = drafter.backbone(
+        drafter.embed_input_ids(torch.randint(0, drafter.config.vocab_size, (B, T))),
+        drafter.project_hidden_states(torch.randn(B, T, drafter.fc.in_features)),
+        torch.arange(T).expand(B, T),
+    )
+    drafter.compute_logits(out).logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert drafter.embed_tokens.weight.grad is None
+    assert torch.equal(drafter.embed_tokens.weight, before)
+    drafter.zero_grad(set_to_none=True)
+
+
+def test_target_head_reproduces_the_targets_logits(tiny_model_dir: Path) -> None:
+    # The tiny target ties lm_head to the embedding, so the head must come from the embedding.
+    target = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, target.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        out = target(input_ids, output_hidden_states=True)
+    target_head = TargetHead.from_pretrained(tiny_model_dir)
+    torch.testing.assert_close(target_head(out.hidden_states[-1]), out.logits)
+
+
+def test_kv_cache_decoding_matches_the_full_pass() -> None:
+    torch.manual_seed(0)
+    config = random_config()
+    drafter = Eagle3Drafter(config).eval()
+    embeds, hidden, positions = random_inputs(config, batch=2, seq_len=12)
+    with torch.no_grad():
+        full = drafter.backbone(embeds, hidden, positions)
+        cache = KVCache()
+        chunks = [
+            drafter.backbone(embeds[:, s:e], hidden[:, s:e], positions[:, s:e], cache=cache)
+            for s, e in [(0, 5), (5, 6), (6, 7), (7, 10), (10, 12)]
+        ]  # a prefill, single tokens, a chunk
+        assert cache.length == 12
+        torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=1e-5, atol=1e-5)
+
+        # Cropping drops rejected positions: re-feeding them gives the same outputs again.
+        cache.crop(7)
+        again = drafter.backbone(embeds[:, 7:], hidden[:, 7:], positions[:, 7:], cache=cache)
+        torch.testing.assert_close(again, full[:, 7:], rtol=1e-5, atol=1e-5)
+
+
+def test_ttt_steps_match_drafting_with_the_kv_cache() -> None:
+    """Step i at row t under the TTT mask must be what decoding computes when it drafts i tokens after position t."""
+    torch.manual_seed(0)
+    config = random_config()
+    drafter = Eagle3Drafter(config).eval()
+    T, steps = 10, 4
+    embeds, hidden0, positions = random_inputs(config, batch=1, seq_len=T + steps)
+    with torch.no_grad():
+        # Training-time test: step i gives row t the input of sequence position t + i (embeds[t + i]).
+        cache = TTTCache()
+        hidden, ttt_outputs = hidden0[:, :T], []
+        for i in range(steps):
+            hidden = drafter.backbone(embeds[:, i : i + T], hidden, positions[:, :T] + i, cache=cache)
+            ttt_outputs.append(hidden)
+
+        for t in [0, 4, T - 1]:
+            decode_cache = KVCache()
+            out = drafter.backbone(embeds[:, : t + 1], hidden0[:, : t + 1], positions[:, : t + 1], cache=decode_cache)
+            drafted = [out[:, -1:]]
+            for i in range(1, steps):
+                drafted.append(
+                    drafter.backbone(
+                        embeds[:, t + i : t + i + 1], drafted[-1], positions[:, t : t + 1] + i, cache=decode_cache
+                    )
+                )
+            for i in range(steps):
+                torch.testing.assert_close(ttt_outputs[i][:, t : t + 1], drafted[i], rtol=1e-5, atol=1e-5)
+
+
+def ttt_attention_outputs_and_grads(
+    attention: object, steps: int, *, dtype: torch.dtype, device: str, seed: int = 0
+) -> list[torch.Tensor]:
+    """Output and gradients of step `steps - 1`'s TTT attention (GQA, 2 query heads per kv head) on random inputs."""
+    generator = torch.Generator(device).manual_seed(seed)
+    B, nh, nkv, T, D = 2, 8, 4, 37, 16
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, device=device).to(dtype).requires_grad_()
+
+    query = randn(B, nh, T, D)
+    keys = [randn(B, nkv, T, D) for _ in range(steps)]
+    values = [randn(B, nkv, T, D) for _ in range(steps)]
+    out = attention(query, keys, values, None, 1 / math.sqrt(D))  # type: ignore[operator]
+    grad_out = torch.randn(out.shape, generator=generator, device=device).to(dtype)
+    return [out, *torch.autograd.grad(out, [query, *keys, *values], grad_out)]
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_sdpa_ttt_attention_matches_eager_forward_and_backward(steps: int) -> None:
+    # CPU fp32 takes the same path as CUDA bf16 (flash kernel for step 0's block, log-space merge, custom backward).
+    eager = ttt_attention_outputs_and_grads(ttt_attention, steps, dtype=torch.float32, device="cpu")
+    fast = ttt_attention_outputs_and_grads(ttt_attention_sdpa, steps, dtype=torch.float32, device="cpu")
+    for reference, got in zip(eager, fast, strict=True):
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel path needs a CUDA GPU")
+@pytest.mark.parametrize("steps", [1, 3])
+def test_sdpa_ttt_attention_matches_eager_on_cuda_in_bf16(steps: int) -> None:
+    reference = ttt_attention_outputs_and_grads(ttt_attention, steps, dtype=torch.float32, device="cuda")
+    for attention in (ttt_attention, ttt_attention_sdpa):
+        got = ttt_attention_outputs_and_grads(attention, steps, dtype=torch.bfloat16, device="cuda")
+        for expected, actual in zip(reference, got, strict=True):
+            relative_error = (actual.float() - expected).norm() / expected.norm()
+            assert relative_error < 2e-2, (attention.__name__, relative_error)
+
+
+def backbone_and_head_parameters(drafter: Eagle3Drafter) -> list[torch.nn.Parameter]:
+    return [*drafter.midlayer.parameters(), *drafter.norm.parameters(), *drafter.lm_head.parameters()]
+
+
+def test_ttt_unroll_is_the_same_with_either_attention_implementation() -> None:
+    torch.manual_seed(0)
+    config = random_config()
+    drafter = Eagle3Drafter(config)
+    embeds, hidden0, positions = random_inputs(config, batch=2, seq_len=9)
+
+    def unroll(attn_implementation: str) -> list[torch.Tensor]:
+        config.attn_implementation = attn_implementation  # read at call time
+        cache, hidden, outputs = TTTCache(), hidden0, []
+        for i in range(4):
+            hidden = drafter.backbone(embeds, hidden, positions + i, cache=cache)
+            outputs.append(hidden)
+        loss = sum(drafter.compute_logits(h).logsumexp(-1).mean() for h in outputs)
+        grads = torch.autograd.grad(loss, backbone_and_head_parameters(drafter))
+        return [torch.stack(outputs), *grads]
+
+    for reference, got in zip(unroll("eager"), unroll("sdpa"), strict=True):
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps() -> None:
+    # backend="aot_eager" traces the graphs (and the breaks around `attend`) without a C++ or GPU compiler.
+    torch.manual_seed(0)
+    config = random_config()
+    embeds, hidden0, positions = random_inputs(config, batch=2, seq_len=9)
+
+    def unroll(drafter: Eagle3Drafter) -> list[torch.Tensor]:
+        cache, hidden, outputs = TTTCache(), hidden0, []
+        for i in range(4):
+            hidden = drafter.backbone(embeds, hidden, positions + i, cache=cache)
+            outputs.append(drafter.compute_logits(hidden[:, : 9 - i]))  # rows shrink per step, as in ttt_loss
+        loss = sum(logits.logsumexp(-1).mean() for logits in outputs)
+        grads = torch.autograd.grad(loss, backbone_and_head_parameters(drafter))
+        return [*outputs, *grads]
+
+    drafter = Eagle3Drafter(config)
+    reference = unroll(drafter)
+    torch._dynamo.reset()
+    drafter.compile_backbone(backend="aot_eager")
+    got = unroll(drafter)
+    unroll(drafter)  # a second batch reuses every graph
+    for expected, actual in zip(reference, got, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert "midlayer.self_attn.q_proj.weight" in drafter.state_dict()  # checkpoint keys unchanged
+    torch._dynamo.reset()

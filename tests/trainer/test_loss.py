@@ -1,0 +1,258 @@
+"""The TTT objective: its mask, its step weights, what it ignores, and that it can be learned."""
+
+import math
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from services.trainer.drafter import (
+    Eagle3Drafter,
+    TargetHead,
+    build_drafter,
+    causal_mask,
+    read_target_config,
+    ttt_attention,
+    ttt_attention_mask,
+)
+from services.trainer.evaluate import aux_hidden_state
+from services.trainer.loss import (
+    Batch,
+    fused_soft_cross_entropy,
+    shift_left,
+    soft_cross_entropy,
+    ttt_loss,
+)
+from shared.vocab import VocabMapping, build_vocab_mapping
+
+AUX_LAYER_IDS = [1, 3, 4]
+
+
+@torch.no_grad()
+def captured_batch(
+    target: LlamaForCausalLM, sequences: list[list[int]], loss_masks: list[list[int]], aux_layer_ids: list[int]
+) -> Batch:
+    """What the extraction pipeline would store for these sequences, right-padded into one batch."""
+    T = max(len(sequence) for sequence in sequences)
+    rows = []
+    for sequence in sequences:
+        out = target(torch.tensor([sequence]), output_hidden_states=True)
+        pad = T - len(sequence)
+        rows.append(
+            (
+                F.pad(aux_hidden_state(out.hidden_states, aux_layer_ids), (0, 0, 0, pad)).to(torch.bfloat16),
+                F.pad(out.hidden_states[-1], (0, 0, 0, pad)).to(torch.bfloat16),
+            )
+        )
+    return Batch(
+        input_ids=torch.tensor([sequence + [0] * (T - len(sequence)) for sequence in sequences]),
+        loss_mask=torch.tensor([mask + [0] * (T - len(mask)) for mask in loss_masks]),
+        aux_hidden_state=torch.cat([aux for aux, _ in rows]),
+        hidden_state=torch.cat([hidden for _, hidden in rows]),
+        attention_mask=torch.tensor([[True] * len(s) + [False] * (T - len(s)) for s in sequences]),
+    )
+
+
+def mapping_for(target_vocab_size: int, draft_vocab_size: int) -> VocabMapping:
+    counts = Counter({token: 2 if token % 3 else 1 for token in range(target_vocab_size)})
+    return build_vocab_mapping(counts, target_vocab_size=target_vocab_size, draft_vocab_size=draft_vocab_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_model_dir: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def random_sequences(tiny_target: LlamaForCausalLM) -> tuple[list[list[int]], list[list[int]]]:
+    """Random prompts of different lengths; the second half of each is the 'assistant' part to learn."""
+    generator = torch.Generator().manual_seed(0)
+    vocab_size = tiny_target.config.vocab_size
+    sequences = [torch.randint(0, vocab_size, (length,), generator=generator).tolist() for length in (24, 31, 18, 27)]
+    masks = [[0] * (len(s) // 2) + [1] * (len(s) - len(s) // 2) for s in sequences]
+    return sequences, masks
+
+
+def fresh_drafter(model_dir: Path, draft_vocab_size: int, seed: int = 0) -> tuple[Eagle3Drafter, TargetHead]:
+    torch.manual_seed(seed)
+    mapping = mapping_for(read_target_config(model_dir)["vocab_size"], draft_vocab_size)
+    return build_drafter(model_dir, mapping, aux_layer_ids=AUX_LAYER_IDS)
+
+
+def test_ttt_mask_is_causal_prefix_plus_own_diagonal() -> None:
+    T, steps = 5, 3
+    mask = ttt_attention_mask(T, steps)
+    assert mask.shape == (T, steps * T)
+    block0, later = mask[:, :T], mask[:, T:].reshape(T, steps - 1, T)
+    assert torch.equal(block0, torch.tril(torch.ones(T, T, dtype=torch.bool)))  # causal over real features
+    for j in range(steps - 1):
+        assert torch.equal(later[:, j], torch.eye(T, dtype=torch.bool))  # only its own earlier draft steps
+    assert mask.sum(-1).tolist() == [t + steps for t in range(T)]  # row t sees t+1 prefix keys + (steps-1) own
+
+
+def test_ttt_attention_equals_masked_attention_over_all_steps() -> None:
+    generator = torch.Generator().manual_seed(0)
+    B, nh, nkv, T, D, steps = 2, 4, 2, 6, 8, 3
+    query = torch.randn(B, nh, T, D, generator=generator)
+    keys = [torch.randn(B, nkv, T, D, generator=generator) for _ in range(steps)]
+    values = [torch.randn(B, nkv, T, D, generator=generator) for _ in range(steps)]
+    factored = ttt_attention(query, keys, values, causal_mask(T, T, query.device), 1 / math.sqrt(D))
+    explicit = F.scaled_dot_product_attention(
+        query, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=ttt_attention_mask(T, steps), enable_gqa=True
+    )
+    torch.testing.assert_close(factored, explicit, rtol=1e-5, atol=1e-5)
+
+
+def test_shift_left_moves_later_positions_forward() -> None:
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shift_left(x, 1).tolist() == [[2, 3, 4, 0]]
+    assert shift_left(x, 3, fill=9).tolist() == [[4, 9, 9, 9]]
+    assert shift_left(x, 5).tolist() == [[0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("step_decay", [0.8, 0.5])
+def test_loss_is_step_losses_weighted_by_decay_powers(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple, step_decay: float
+) -> None:
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    out = ttt_loss(drafter, target_head, batch, ttt_length=5, step_decay=step_decay)
+    assert len(out.step_losses) == len(out.step_accuracies) == len(out.step_num_tokens) == 5
+    expected = sum(step_decay**i * loss for i, loss in enumerate(out.step_losses))
+    assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+    # Row t at step i predicts token t+2+i: in-mask tokens from position 2 + i on count.
+    mask = batch.loss_mask.bool() & batch.attention_mask
+    assert out.step_num_tokens == [int(mask[:, 2 + i :].sum()) for i in range(5)]
+    assert out.num_loss_tokens == out.step_num_tokens[0]
+
+
+def test_padding_changes_nothing(tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple) -> None:
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    sequences, masks = random_sequences
+    alone = captured_batch(tiny_target, sequences[:1], masks[:1], AUX_LAYER_IDS)
+    padded = captured_batch(
+        tiny_target, [sequences[0], sequences[1]], [masks[0], [0] * len(sequences[1])], AUX_LAYER_IDS
+    )
+    # The second row only pads the first out to its length, with no token to learn; then junk goes into the padding.
+    padded = Batch(**{name: tensor[:1] for name, tensor in vars(padded).items()})
+    L = len(sequences[0])
+    assert padded.input_ids.shape[1] > L
+    reference = ttt_loss(drafter, target_head, alone)
+    for seed in (1, 2):
+        generator = torch.Generator().manual_seed(seed)
+        junk = Batch(**{name: tensor.clone() for name, tensor in vars(padded).items()})
+        junk.input_ids[:, L:] = torch.randint(0, 400, junk.input_ids[:, L:].shape, generator=generator)
+        junk.loss_mask[:, L:] = 1  # even a loss mask set on padding must not count
+        junk.aux_hidden_state[:, L:] = 50 * torch.randn(junk.aux_hidden_state[:, L:].shape, generator=generator)
+        junk.hidden_state[:, L:] = 50 * torch.randn(junk.hidden_state[:, L:].shape, generator=generator)
+        out = ttt_loss(drafter, target_head, junk)
+        torch.testing.assert_close(out.loss, reference.loss, rtol=1e-5, atol=1e-6)
+        assert out.step_accuracies == reference.step_accuracies
+        assert out.step_num_tokens == reference.step_num_tokens
+
+
+def test_teachers_of_unmasked_tokens_change_nothing(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+) -> None:
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    reference = ttt_loss(drafter, target_head, batch)
+    # hidden_state[p] is the teacher for token p+1; where that token is not in the loss mask it must not matter.
+    counted_next = shift_left(batch.loss_mask.bool() & batch.attention_mask, 1, fill=False)
+    changed = batch.hidden_state.clone()
+    changed[~counted_next] = 10 * torch.randn_like(changed[~counted_next])
+    out = ttt_loss(drafter, target_head, replace(batch, hidden_state=changed))
+    torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-6)
+    # ...and the teacher of a counted token does matter (the check above is not vacuous).
+    changed = batch.hidden_state.clone()
+    changed[counted_next] = 10 * torch.randn_like(changed[counted_next])
+    assert not torch.allclose(ttt_loss(drafter, target_head, replace(batch, hidden_state=changed)).loss, reference.loss)
+
+
+def test_overfitting_one_batch_lowers_loss_and_raises_accuracy(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+) -> None:
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    # A random target's next-token distributions are nearly uniform (logit std ~0.15), so the soft cross-entropy
+    # could only fall to that entropy. Scaling its final state sharpens the teacher without moving its argmax.
+    batch = replace(batch, hidden_state=batch.hidden_state * 30)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    history = []
+    for _ in range(50):
+        out = ttt_loss(drafter, target_head, batch, ttt_length=3)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        optimizer.step()
+        history.append(out)
+    first, last = history[0], history[-1]
+    assert last.loss.item() < 0.5 * first.loss.item(), [round(h.loss.item(), 3) for h in history[::10]]
+    assert last.step_accuracies[0] > first.step_accuracies[0] + 0.3, (first.step_accuracies, last.step_accuracies)
+
+
+def soft_cross_entropy_outputs(
+    function: object, logits_dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(masked sum, argmax, d(0.8 * sum)/d logits) on random logits and a sharp random teacher."""
+    generator = torch.Generator(device).manual_seed(seed)
+    B, R, V = 3, 50, 700
+    logits = (3 * torch.randn(B, R, V, generator=generator, device=device)).to(logits_dtype).requires_grad_()
+    teacher_p = (4 * torch.randn(B, R, V, generator=generator, device=device)).softmax(-1)
+    learnable = torch.rand(B, R, generator=generator, device=device) < 0.7
+    total, argmax = function(logits, teacher_p, learnable)  # type: ignore[operator]
+    (grad,) = torch.autograd.grad(0.8 * total, logits)  # a step weight upstream, as in ttt_loss
+    return total, argmax, grad
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_soft_cross_entropy_matches_eager(logits_dtype: torch.dtype) -> None:
+    eager = soft_cross_entropy_outputs(soft_cross_entropy, logits_dtype, "cpu")
+    fused = soft_cross_entropy_outputs(fused_soft_cross_entropy, logits_dtype, "cpu")
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=1e-4)
+    assert torch.equal(fused[1], eager[1])
+    # bf16: the eager gradient is rounded once (fp32 -> bf16), the fused one twice (bf16, then times the weight).
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if logits_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-6}
+    torch.testing.assert_close(fused[2], eager[2], **tolerance)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled soft cross-entropy kernel runs on CUDA")
+def test_compiled_soft_cross_entropy_matches_eager_on_cuda() -> None:
+    eager = soft_cross_entropy_outputs(soft_cross_entropy, torch.bfloat16, "cuda")
+    fused = soft_cross_entropy_outputs(fused_soft_cross_entropy, torch.bfloat16, "cuda")
+    torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-3)
+    assert torch.equal(fused[1], eager[1])
+    torch.testing.assert_close(fused[2], eager[2], rtol=1e-2, atol=1e-6)
+
+
+def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+) -> None:
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    batch = replace(batch, hidden_state=batch.hidden_state * 30)  # a sharp teacher, so accuracy is not all zero
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    for _ in range(15):  # a little training, so that some drafts are right and accuracy is compared too
+        optimizer.zero_grad(set_to_none=True)
+        ttt_loss(drafter, target_head, batch, ttt_length=3).loss.backward()
+        optimizer.step()
+
+    def loss_and_grads(attn_implementation: str, loss_implementation: str) -> tuple:
+        drafter.config.attn_implementation = attn_implementation
+        out = ttt_loss(drafter, target_head, batch, loss_implementation=loss_implementation)
+        return out, torch.autograd.grad(out.loss, params)
+
+    reference, reference_grads = loss_and_grads("eager", "eager")
+    assert any(reference.step_accuracies), "all-zero accuracies would make the comparison vacuous"
+    for attn_implementation, loss_implementation in [("sdpa", "eager"), ("eager", "fused"), ("sdpa", "fused")]:
+        out, grads = loss_and_grads(attn_implementation, loss_implementation)
+        torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-6)
+        assert out.step_losses == pytest.approx(reference.step_losses, rel=1e-5)
+        assert out.step_accuracies == reference.step_accuracies
+        assert out.step_num_tokens == reference.step_num_tokens
+        for got, expected in zip(grads, reference_grads, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)

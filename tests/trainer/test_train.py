@@ -1,0 +1,214 @@
+"""The training loop on real shards (the tiny model through the reference server): the loss goes down,
+checkpoints land in storage, a resumed run continues exactly, bad objects are skipped, and nothing loads with
+weights_only=False."""
+
+import io
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import redis
+import torch
+from prometheus_client import REGISTRY
+
+from services.trainer import export
+from services.trainer.data import IncompatibleJob, heldout_shards
+from services.trainer.train import (
+    TrainConfig,
+    checkpoint_key,
+    curves_key,
+    evaluate_checkpoint,
+    export_checkpoint,
+    latest_key,
+    train,
+)
+from shared import layout
+from shared.schemas import Manifest
+from shared.settings import Settings
+from shared.storage import open_storage
+from tests.trainer.shard_builders import ExtractedJob, commit_random_shard, plan_job
+
+pytest_plugins = ["tests.fixtures.redis_server", "tests.trainer.trainer_fixtures"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def settings_for(storage_url: str, tmp_path: Path) -> Settings:
+    return Settings(storage_url=storage_url, home=tmp_path / "home")
+
+
+def config(job_id: str, **changes: object) -> TrainConfig:
+    """A small run: micro-batches of 256 padded tokens, logged every step, on CPU."""
+    values: dict = {
+        "job_id": job_id,
+        "batch_tokens": 256,
+        "max_length": 128,
+        "lr": 3e-3,
+        "warmup_ratio": 0.0,
+        "log_every": 1,
+        "heldout_fraction": 0.1,
+        "device": "cpu",
+        "io_threads": 2,
+        **changes,
+    }
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def short_run(extracted_job: ExtractedJob, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    settings = settings_for(extracted_job.storage_url, tmp_path_factory.mktemp("short-run"))
+    return train(
+        config(extracted_job.job_id, run_name="short", max_steps=40, epochs=50, checkpoint_every=20),
+        settings=settings,
+    )
+
+
+def test_training_lowers_the_loss(short_run: dict) -> None:
+    losses = [h["loss"] for h in short_run["history"]]
+    assert len(losses) == short_run["steps"] == 40
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+    assert short_run["train_tokens"] > 0 and short_run["train_seconds"] > 0
+    assert short_run["stop_reason"] == "max_steps"
+    assert set(short_run["heldout"]) >= {"acc_per_position", "simulated_acceptance_length"}
+    labels = {"job_id": short_run["job_id"], "run_name": "short"}
+    assert REGISTRY.get_sample_value("eagle3_trainer_step", labels) == 40
+    assert REGISTRY.get_sample_value("eagle3_trainer_tokens_total", labels) == short_run["train_tokens"]
+    assert REGISTRY.get_sample_value("eagle3_trainer_loss", labels) == pytest.approx(losses[-1])
+    for position in range(7):
+        assert REGISTRY.get_sample_value("eagle3_trainer_position_accuracy", {**labels, "position": str(position)}) >= 0
+
+
+def test_checkpoints_and_curves_are_saved_to_storage(short_run: dict, extracted_job: ExtractedJob) -> None:
+    storage = open_storage(extracted_job.storage_url)
+    job_id = extracted_job.job_id
+    assert short_run["checkpoint_key"] == checkpoint_key(job_id, "short", 40)
+    assert storage.list(f"{job_id}/trainer/short/checkpoints/step_") == [
+        checkpoint_key(job_id, "short", 20),
+        checkpoint_key(job_id, "short", 40),
+    ]
+    assert json.loads(storage.get(latest_key(job_id, "short")))["key"] == short_run["checkpoint_key"]
+    checkpoint = torch.load(io.BytesIO(storage.get(short_run["checkpoint_key"])), weights_only=True)
+    assert checkpoint["step"] == 40 and checkpoint["job_id"] == job_id
+    assert checkpoint["drafter_config"]["aux_layer_ids"] == extracted_job.job.aux_layer_ids
+    assert "embed_tokens.weight" not in checkpoint["drafter"]  # the target's, frozen: never saved
+    assert checkpoint["train_config"]["lr"] == 3e-3
+    html = storage.get(curves_key(job_id, "short")).decode()
+    assert html.startswith("<!doctype html>") and html.count("<svg") == 2 and "position 6" in html
+
+
+def test_resume_reproduces_the_uninterrupted_run(extracted_job: ExtractedJob, tmp_path: Path) -> None:
+    settings = settings_for(extracted_job.storage_url, tmp_path)
+    # Several epochs of small pools, so the interruption lands mid-pool with epochs still ahead.
+    run = {"epochs": 20, "schedule_steps": 12, "pool_tokens": 600, "warmup_ratio": 0.2}
+    uninterrupted = train(config(extracted_job.job_id, run_name="whole", max_steps=12, **run), settings=settings)
+    train(config(extracted_job.job_id, run_name="cut", max_steps=5, checkpoint_every=100, **run), settings=settings)
+    # As after a kill: a new process continues from the run's latest checkpoint, with a new step budget.
+    resumed = train(
+        TrainConfig(job_id=extracted_job.job_id, run_name="cut", max_steps=12), settings=settings, resume=True
+    )
+    assert resumed["steps"] == 12 and len(resumed["history"]) == 12  # 5 steps from the checkpoint, 7 new
+    for whole, cut in zip(uninterrupted["history"], resumed["history"], strict=True):
+        assert cut["step"] == whole["step"] and cut["train_tokens"] == whole["train_tokens"]
+        assert cut["loss"] == pytest.approx(whole["loss"], rel=1e-5)
+        assert cut["step_losses"] == pytest.approx(whole["step_losses"], rel=1e-5)
+        assert cut["step_accuracies"] == pytest.approx(whole["step_accuracies"], abs=1e-6)
+        assert cut["lr"] == pytest.approx(whole["lr"], rel=1e-9)
+    assert resumed["data_position"] == uninterrupted["data_position"]
+
+
+def test_missing_and_corrupted_samples_are_skipped_and_training_goes_on(
+    extracted_job: ExtractedJob, tmp_path: Path
+) -> None:
+    source = Path(urlparse(extracted_job.storage_url).path)
+    shutil.copytree(source, tmp_path / "store")
+    storage = open_storage((tmp_path / "store").as_uri())
+    job_id = extracted_job.job_id
+    manifest = Manifest.model_validate_json(storage.get(layout.manifest(job_id, 0)))
+    corrupted, missing = manifest.samples[0], manifest.samples[1]
+    data = bytearray(storage.get(corrupted.key))
+    data[-100] ^= 0x01
+    storage.put(corrupted.key, bytes(data))
+    storage.delete(missing.key)
+    summary = train(
+        config(job_id, run_name="skip", max_steps=60, epochs=2, heldout_fraction=0.0, cache_budget_bytes=0),
+        settings=settings_for(storage.url, tmp_path),
+    )
+    assert summary["stop_reason"] == "end_of_data" and summary["steps"] > 0
+    # Each epoch meets both bad objects once.
+    assert summary["skipped_by_reason"] == {"sha256": 2, "missing": 2}
+    assert summary["skipped_samples"] == 4
+
+
+def test_eval_beats_the_untrained_drafter_and_export_reloads(
+    short_run: dict, extracted_job: ExtractedJob, tmp_path: Path
+) -> None:
+    settings = settings_for(extracted_job.storage_url, tmp_path)
+    result = evaluate_checkpoint(
+        f"{extracted_job.job_id}/trainer/short", settings=settings, num_prompts=2, max_new_tokens=12
+    )
+    assert result["step"] == 40 and result["num_prompts"] == 2
+    assert result["simulated_acceptance_length"] > result["untrained_simulated_acceptance_length"]
+    assert result["matches_greedy"]
+    assert result["measured_acceptance_length"] >= 1.0 and result["untrained_measured_acceptance_length"] >= 1.0
+    out = export_checkpoint(short_run["checkpoint_key"], tmp_path / "export", settings=settings)
+    reloaded = export.load_sglang_export(out, target_path=extracted_job.model_dir)
+    assert reloaded.config.aux_layer_ids == extracted_job.job.aux_layer_ids
+
+
+def test_no_trainer_source_loads_with_weights_only_false() -> None:
+    sources = [
+        *sorted((REPO_ROOT / "services" / "trainer").glob("*.py")),
+        REPO_ROOT / "bench" / "trainer_throughput.py",
+    ]
+    for path in sources:
+        if not path.exists():
+            continue
+        text = path.read_text()
+        assert not re.search(r"weights_only\s*=\s*False", text), path
+        for call in re.finditer(r"torch\.load\(", text):
+            assert "weights_only=True" in text[call.end() : call.end() + 200], (
+                f"{path}: torch.load without weights_only"
+            )
+
+
+def test_trainer_started_for_other_layer_ids_refuses_the_job(extracted_job: ExtractedJob, tmp_path: Path) -> None:
+    with pytest.raises(
+        IncompatibleJob, match=r"aux_layer_ids is \[1, 3, 4\], but the trainer was started for \[1, 2, 4\]"
+    ):
+        train(
+            config(extracted_job.job_id, run_name="refused", aux_layer_ids=[1, 2, 4], max_steps=1),
+            settings=settings_for(extracted_job.storage_url, tmp_path),
+        )
+
+
+def test_follow_trains_on_shards_committed_while_it_runs(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
+    storage = open_storage((tmp_path / "store").as_uri())
+    job = plan_job(tmp_path, tiny_model_dir, redis_url, storage, shard_token_budget=60, job_id="follow")
+    client = redis.Redis.from_url(redis_url)
+    commit_random_shard(storage, client, job, 0)
+    settings = Settings(storage_url=storage.url, redis_url=redis_url, home=tmp_path / "home")
+    summaries: list[dict] = []
+    trainer = threading.Thread(
+        target=lambda: summaries.append(
+            train(config(job.job_id, run_name="follow", follow=True, follow_block_s=0.2), settings=settings)
+        )
+    )
+    trainer.start()
+    for shard_index in range(1, job.shards_total):
+        time.sleep(0.2)
+        commit_random_shard(storage, client, job, shard_index)
+    trainer.join(timeout=120)
+    assert not trainer.is_alive() and summaries
+    summary = summaries[0]
+    assert summary["stop_reason"] == "end_of_data"
+    heldout = heldout_shards(job.shards_total, 0.1)
+    manifests = [Manifest.model_validate_json(storage.get(k)) for k in storage.list(layout.manifests_prefix("follow"))]
+    expected_tokens = sum(
+        min(s.num_tokens, 128) for m in manifests if m.shard_index not in heldout for s in m.samples if s.loss_tokens
+    )
+    assert summary["train_tokens"] == expected_tokens  # every training shard, the late ones included, exactly once
