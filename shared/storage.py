@@ -3,9 +3,11 @@
 Notable:
 - Keys are '/'-separated paths relative to the root the storage was opened with
   (`job-1/manifests/shard_000000.json`); `..`, `.`, empty segments and a leading '/' are refused.
-- `put_if_absent` is create-only and atomic on both backends, so a shard manifest is committed at
-  most once and never torn: `os.link` of a fully written temp file on a directory, `If-None-Match: *`
-  on S3 (PutObject, or CompleteMultipartUpload above the multipart threshold).
+- `put_if_absent` is create-only and never torn, so a shard manifest is committed whole: `os.link` of a fully
+  written temp file on a directory (atomic), `If-None-Match: *` on S3 (PutObject, or CompleteMultipartUpload above
+  the multipart threshold; atomic on AWS S3 and MinIO). SeaweedFS checks the precondition before writing, so two
+  simultaneous creates can both land; a writer whose object was replaced learns it from the ETag and reports False,
+  and the stored bytes always belong to a writer told True.
 - Outages (unreachable, throttled, timed out, full, missing bucket, bad credentials) raise
   `StorageUnavailable`, which tasks retry with backoff; a missing object raises `ObjectNotFound`;
   a request the store refuses for good (an object too large) raises `StorageRejected`.
@@ -411,10 +413,10 @@ class S3Storage:
                 attempt += 1
                 try:
                     if len(data) < self.multipart_threshold_bytes:
-                        self._client.put_object(Bucket=self.bucket, Key=name, Body=data, IfNoneMatch="*")
+                        etag = self._client.put_object(Bucket=self.bucket, Key=name, Body=data, IfNoneMatch="*")["ETag"]
                     else:
-                        self._put_multipart_if_absent(name, data)
-                    return True
+                        etag = self._put_multipart_if_absent(name, data)
+                    return self._still_ours(name, etag)
                 except ClientError as exc:
                     code, status = _error_code(exc)
                     if code == "PreconditionFailed" or status == 412:
@@ -483,7 +485,13 @@ class S3Storage:
     def _part_bytes(self, size_bytes: int) -> int:
         return max(self.multipart_chunk_bytes, S3_MIN_PART_BYTES, math.ceil(size_bytes / S3_MAX_PARTS))
 
-    def _put_multipart_if_absent(self, name: str, data: bytes) -> None:
+    def _still_ours(self, name: str, etag: str) -> bool:
+        """Servers that check If-None-Match before writing rather than atomically (SeaweedFS) can let two concurrent
+        creates both succeed, the later replacing the earlier: the earlier then reads another ETag here and reports
+        that it did not create the object. AWS S3 and MinIO decide atomically and this check always passes."""
+        return self._client.head_object(Bucket=self.bucket, Key=name)["ETag"] == etag
+
+    def _put_multipart_if_absent(self, name: str, data: bytes) -> str:
         """Upload parts in parallel, then CompleteMultipartUpload with If-None-Match: * (the transfer manager
         cannot pass it). Raises ClientError PreconditionFailed when the key exists; aborts the upload on any failure
         so no parts are left billed and invisible."""
@@ -504,10 +512,11 @@ class S3Storage:
             part_numbers = range(1, math.ceil(len(data) / part_bytes) + 1)
             with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(part_numbers))) as pool:
                 parts = list(pool.map(upload_part, part_numbers))
-            client.complete_multipart_upload(
+            completed = client.complete_multipart_upload(
                 Bucket=self.bucket, Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}, IfNoneMatch="*"
             )
             logger.debug("s3 multipart create-only key=%s parts=%d bytes=%d", name, len(parts), len(data))
+            return completed["ETag"]
         except BaseException:
             try:
                 client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
