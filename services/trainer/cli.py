@@ -42,6 +42,8 @@ def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     given: dict[str, Any] = {name: getattr(args, name) for name in _TRAIN_OPTIONS if getattr(args, name) is not None}
     if args.follow:
         given["follow"] = True
+    if args.random_init:
+        given["init_from_target"] = False
     # A regenerate job (then_extract) trains on its chained extraction job; following, wait for it to be submitted.
     job_id = training_job_id(
         open_storage(settings.storage_url, settings), args.job, wait_s=float("inf") if args.follow else 0.0
@@ -85,6 +87,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--job", required=True, help="an extraction job, or a regenerate job with then_extract")
     p.add_argument("--follow", action="store_true", help="keep taking shards as they are committed until the job ends")
+    p.add_argument(
+        "--random-init", action="store_true", help="start lm_head, norm and fc at random, not from the target's"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint, if any")
     p.add_argument("--resume-from", metavar="CHECKPOINT", help=f"continue from this checkpoint: {checkpoint_help}")
     for name, (kind, help_text) in _TRAIN_OPTIONS.items():

@@ -553,6 +553,20 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(mapping.d2t)
         self.t2d.copy_(mapping.t2d)
 
+    @torch.no_grad()
+    def init_from_target(self, target_head_weight: Tensor, target_norm_weight: Tensor) -> None:
+        """Start in the target's output space instead of at random: `lm_head` takes the target head's rows of the
+        draft tokens, `norm` the target's final norm, and `fc` passes the deepest aux state through (the other two
+        start at zero). At step 0 the drafter then reads out roughly what the target's deep layer predicts, and
+        training only has to learn the step ahead; a random head must first learn the whole vocabulary.
+        Needs the vocab mapping set first. target_head_weight [V_target, H_t], target_norm_weight [H_t]."""
+        H = self.config.hidden_size
+        target_ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        self.lm_head.weight.copy_(target_head_weight[target_ids])  # [V_draft, H]
+        self.norm.weight.copy_(target_norm_weight)
+        self.fc.weight.zero_()  # [H, 3H_t]: aux blocks low, middle, high
+        self.fc.weight[:, 2 * H :].copy_(torch.eye(H))
+
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
         return self.embed_tokens(input_ids)  # (B, T) -> (B, T, H)
 
@@ -650,15 +664,22 @@ def load_target_embeddings(target_path: Path) -> Tensor:
     return _read_tensor(target_path, [_EMBEDDING_NAME])
 
 
+def load_target_final_norm(target_path: Path) -> Tensor:
+    """The weight of the target's final RMSNorm [H_t], the norm its lm_head reads after."""
+    return _read_tensor(target_path, ["model.norm.weight", "model.language_model.norm.weight"])
+
+
 def build_drafter(
     target_path: Path,
     vocab_mapping: VocabMapping,
     *,
     aux_layer_ids: list[int],
     draft_vocab_size: int | None = None,
+    init_from_target: bool = True,
 ) -> tuple[Eagle3Drafter, TargetHead]:
     """A fresh drafter shaped after the target, with its embedding copied and frozen and d2t/t2d set, plus the
-    frozen target head that gives the training targets."""
+    frozen target head that gives the training targets. `init_from_target`: see `Eagle3Drafter.init_from_target`;
+    False keeps the random initialisation."""
     if draft_vocab_size is not None and draft_vocab_size != vocab_mapping.draft_vocab_size:
         raise ConfigurationError(
             f"draft_vocab_size={draft_vocab_size} but the vocab mapping has {vocab_mapping.draft_vocab_size} tokens"
@@ -675,6 +696,8 @@ def build_drafter(
         drafter.embed_tokens.weight.copy_(embeddings)
     drafter.set_vocab_mapping(vocab_mapping)
     target_head = TargetHead.from_pretrained(target_path)
+    if init_from_target:
+        drafter.init_from_target(target_head.weight, load_target_final_norm(target_path))
     logger.info(
         "drafter for %s: hidden=%d heads=%d/%d vocab=%d draft_vocab=%d aux_layer_ids=%s trainable_params=%d",
         target_path,

@@ -114,6 +114,7 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = Field(default=0.5, gt=0)
+    init_from_target: bool = Field(default=True, description="start lm_head/norm/fc from the target's (drafter.py)")
     ttt_length: int = Field(default=7, ge=1)
     step_decay: float = Field(default=0.8, gt=0)
     seed: int = 0
@@ -425,7 +426,7 @@ def drafter_from_checkpoint(
     target = Path(model_path or checkpoint["model_path"])
     saved = DrafterConfig(**checkpoint["drafter_config"])
     drafter, target_head = build_drafter(
-        target, checkpoint_vocab_mapping(checkpoint), aux_layer_ids=saved.aux_layer_ids
+        target, checkpoint_vocab_mapping(checkpoint), aux_layer_ids=saved.aux_layer_ids, init_from_target=False
     )
     if drafter.config != saved:
         raise ConfigurationError(
@@ -564,7 +565,9 @@ class Trainer:
         mapping = load_vocab_mapping(
             self.storage.get(layout.vocab_mapping(config.job_id)), source=layout.vocab_mapping(config.job_id)
         )
-        self.drafter, self.target_head = build_drafter(self.model_path, mapping, aux_layer_ids=aux_layer_ids)
+        self.drafter, self.target_head = build_drafter(
+            self.model_path, mapping, aux_layer_ids=aux_layer_ids, init_from_target=config.init_from_target
+        )
         if checkpoint is not None:
             if asdict(self.drafter.config) != checkpoint["drafter_config"]:
                 raise ConfigurationError(
@@ -1003,7 +1006,10 @@ def evaluate_checkpoint(
     drafter, target_head = drafter_from_checkpoint(checkpoint, model_path=target, source=source)
     torch.manual_seed(config.seed)  # the same initial weights the run started from
     untrained, _ = build_drafter(
-        target, checkpoint_vocab_mapping(checkpoint), aux_layer_ids=drafter.config.aux_layer_ids
+        target,
+        checkpoint_vocab_mapping(checkpoint),
+        aux_layer_ids=drafter.config.aux_layer_ids,
+        init_from_target=config.init_from_target,
     )
     job = load_job(storage, job_id or checkpoint["job_id"])
     expected = TargetSignature.from_model_config(read_target_config(target), drafter.config.aux_layer_ids)

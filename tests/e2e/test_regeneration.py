@@ -16,7 +16,6 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from services.inference.reference.engine import compute_dtype
 from shared import layout, progress
 from shared.datasets import Conversation, InvalidRecord, read_dataset
 from shared.local_stack import LocalStack
@@ -122,6 +121,8 @@ def deployment(
         redelivery_sweep_s=1,
         inference_ready_timeout_s=2,
         soft_shutdown_timeout_s=2,
+        # Token-exact comparisons need fp32: in bf16 a batched and an unbatched forward can break a near-tie apart.
+        inference_dtype="float32",
     )
     with pytest.MonkeyPatch.context() as mp:
         for name, value in s3_server.env().items():
@@ -134,8 +135,7 @@ def deployment(
 @pytest.fixture(scope="module")
 def target(tiny_model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target in-process, in the server's compute dtype, decoding one history at a time."""
-    dtype = compute_dtype("auto", torch.device("cpu"))
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
 
 

@@ -96,8 +96,7 @@ def test_model_info_describes_the_model(client: InferenceClient, hf_model: PreTr
     assert (info.num_hidden_layers, info.hidden_size) == (N_LAYERS, H)
     assert info.vocab_size == hf_model.config.vocab_size
     assert info.default_aux_layer_ids == [1, 3, 4]
-    expected_dtype = str(compute_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
-    assert (info.backend, info.dtype, info.max_context_length) == ("reference", expected_dtype, 1024)
+    assert (info.backend, info.dtype, info.max_context_length) == ("reference", "float32", 1024)  # as configured
 
 
 @pytest.mark.parametrize("layer_ids", [pytest.param([1, 3, 4], id="default"), pytest.param([0, 3, 6], id="0-3-6")])
@@ -228,9 +227,7 @@ def test_concurrent_greedy_decodes_share_generate_calls_and_equal_unbatched_gree
     assert [b["output_ids"] for b in batched] == [o["output_ids"] for o in one_by_one]
     assert [b["meta_info"]["finish_reason"] for b in batched] == [o["meta_info"]["finish_reason"] for o in one_by_one]
     # And both are transformers' own greedy decoding, in the server's compute dtype.
-    model = AutoModelForCausalLM.from_pretrained(
-        tiny_model_dir, local_files_only=True, dtype=compute_dtype("auto", torch.device("cpu"))
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, dtype=torch.float32).eval()
     for prompt, n, answer in zip(prompts, max_new_tokens, batched, strict=True):
         with torch.no_grad():
             expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n)[0, len(prompt) :]
@@ -343,3 +340,13 @@ def test_wait_ready_waits_for_a_server_that_is_still_loading(tiny_model_dir: Pat
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.mark.parametrize(("native_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_compute_dtype_is_bf16_only_where_the_cpu_computes_it_natively(
+    monkeypatch: pytest.MonkeyPatch, native_bf16: bool, expected: torch.dtype
+) -> None:
+    monkeypatch.setattr("services.inference.reference.engine._cpu_has_native_bf16", lambda: native_bf16)
+    assert compute_dtype("auto", torch.device("cpu")) == expected
+    assert compute_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert compute_dtype("float32", torch.device("cuda")) == torch.float32

@@ -193,6 +193,32 @@ def test_target_head_reproduces_the_targets_logits(tiny_model_dir: Path) -> None
     torch.testing.assert_close(target_head(out.hidden_states[-1]), out.logits)
 
 
+def test_init_from_target_starts_as_the_logit_lens_of_the_deepest_aux_layer(tiny_model_dir: Path) -> None:
+    # With the midlayer's writes to the residual stream silenced, the drafter's step-0 logits are the target head
+    # read through the target's final norm at the deepest aux layer, restricted to the draft vocabulary.
+    target = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    input_ids = torch.randint(0, target.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        states = target(input_ids, output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i + 1] for i in AUX_LAYER_IDS], dim=-1)  # [1, 9, 3H]
+    mapping = small_mapping(target.config.vocab_size)
+    drafter, _ = build_drafter(tiny_model_dir, mapping, aux_layer_ids=AUX_LAYER_IDS)
+    with torch.no_grad():
+        drafter.midlayer.self_attn.o_proj.weight.zero_()
+        drafter.midlayer.mlp.down_proj.weight.zero_()
+        hidden = drafter.project_hidden_states(aux)
+        logits = drafter.compute_logits(
+            drafter.backbone(drafter.embed_input_ids(input_ids), hidden, torch.arange(9)[None])
+        )
+        lens = target.lm_head(target.model.norm(states[AUX_LAYER_IDS[-1] + 1]))  # [1, 9, V_target]
+    draft_to_target = torch.arange(mapping.draft_vocab_size) + mapping.d2t
+    torch.testing.assert_close(logits, lens[..., draft_to_target])
+
+    torch.manual_seed(0)
+    random_start, _ = build_drafter(tiny_model_dir, mapping, aux_layer_ids=AUX_LAYER_IDS, init_from_target=False)
+    assert not torch.equal(random_start.lm_head.weight, drafter.lm_head.weight)
+
+
 def test_kv_cache_decoding_matches_the_full_pass() -> None:
     torch.manual_seed(0)
     config = random_config()
