@@ -28,8 +28,11 @@ def bench_job(*, hidden_size: int, num_hidden_layers: int, vocab_size: int, aux_
 
 
 @contextmanager
-def reference_server(model_dir: Path, *, shm_dir: Path, log: Path, device: str = "auto") -> Iterator[str]:
-    """The reference inference server as its own process, as the workers see it."""
+def reference_server(
+    model_dir: Path, *, shm_dir: Path, log: Path, device: str = "auto", env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """The reference inference server as its own process, as the workers see it; `env` adds to its environment
+    (CUDA_VISIBLE_DEVICES to pin it to one GPU)."""
     port = free_port()
     env = {
         **os.environ,
@@ -37,6 +40,7 @@ def reference_server(model_dir: Path, *, shm_dir: Path, log: Path, device: str =
         "EAGLE3_INFERENCE_PORT": str(port),
         "EAGLE3_INFERENCE_DEVICE": device,
         "EAGLE3_SHM_DIR": str(shm_dir),
+        **(env or {}),
     }
     with log.open("wb") as out:
         server = subprocess.Popen(

@@ -211,10 +211,7 @@ def extract_shard(
         committed_at=utc_now(),
         timings_s={"capture_and_write": round(capture_s, 4), "total": round(time.monotonic() - started, 4)},
     )
-    if not storage.put_if_absent(manifest_key, manifest.model_dump_json(indent=1).encode()):
-        manifest = Manifest.model_validate_json(storage.get(manifest_key))
-        logger.info("shard already committed by another delivery job=%s shard=%d", job_id, shard_index)
-    progress.record_commit(redis_client, manifest)
+    manifest = progress.commit_manifest(storage, redis_client, manifest)
     seconds = time.monotonic() - started
     logger.info(
         "committed job=%s shard=%d samples=%d tokens=%d bytes=%d in %.2fs (%d reused)",

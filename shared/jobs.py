@@ -205,12 +205,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
             )
             sample_index += 1
         storage.put(layout.shard_input(job_id, shard_index), shard.model_dump_json().encode())
-    # job.json last among the plan files: a job whose job.json exists is fully planned.
-    if not storage.put_if_absent(layout.job_json(job_id), job.model_dump_json(indent=2).encode()):
-        raise SubmitError(f"job {job_id} was created concurrently by another submit")
-    progress.register_job(client, job, storage.url)
-    for shard_index in range(len(plan)):
-        enqueue(job_id, shard_index)
+    publish_job(storage, client, job, num_shards=len(plan), enqueue=enqueue)
     logger.info(
         "submitted job=%s samples=%d rejected=%d tokens=%d shards=%d in %.1fs",
         job_id,
@@ -221,6 +216,16 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
         time.monotonic() - started,
     )
     return job
+
+
+def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, num_shards: int, enqueue: Enqueue) -> None:
+    """After every plan file: job.json (create-only; a job whose job.json exists is fully planned), its progress
+    counters, then one task per shard."""
+    if not storage.put_if_absent(layout.job_json(job.job_id), job.model_dump_json(indent=2).encode()):
+        raise SubmitError(f"job {job.job_id} was created concurrently by another submit")
+    progress.register_job(client, job, storage.url)
+    for shard_index in range(num_shards):
+        enqueue(job.job_id, shard_index)
 
 
 def first_rejection(rejected: list[RejectedSample]) -> str:

@@ -6,7 +6,9 @@ can recompute from storage at any time.
 """
 
 import json
+import logging
 import time
+from typing import TypeVar
 
 import redis
 from pydantic import BaseModel
@@ -15,6 +17,8 @@ from shared import layout
 from shared.errors import JobNotFound
 from shared.schemas import DeadLetter, JobRecord, Manifest, Progress, RegenerationManifest, RegenerationProgress
 from shared.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 JOBS_INDEX = "eagle3:jobs"
 COUNTERS = (
@@ -134,6 +138,22 @@ def record_commit(client: redis.Redis, manifest: Manifest | RegenerationManifest
     for name, value in getattr(manifest, "counters", {}).items():
         args += [name, value]
     return bool(client.eval(_RECORD_COMMIT, 4, *_keys(manifest.job_id), *args))
+
+
+AnyManifest = TypeVar("AnyManifest", Manifest, RegenerationManifest)
+
+
+def commit_manifest(storage: Storage, client: redis.Redis, manifest: AnyManifest) -> AnyManifest:
+    """Write a shard's manifest create-only (the shard exists from then on) and count it once. A concurrent delivery
+    that committed first wins: its manifest is read back, counted (once) and returned instead."""
+    key = layout.manifest(manifest.job_id, manifest.shard_index)
+    if not storage.put_if_absent(key, manifest.model_dump_json(indent=1).encode()):
+        manifest = type(manifest).model_validate_json(storage.get(key))
+        logger.info(
+            "shard already committed by another delivery job=%s shard=%d", manifest.job_id, manifest.shard_index
+        )
+    record_commit(client, manifest)
+    return manifest
 
 
 def mark_finalized(client: redis.Redis, job_id: str, *, chained_job_id: str | None, error: str | None) -> None:

@@ -54,6 +54,7 @@ from shared.jobs import (
     first_rejection,
     load_job,
     new_job_id,
+    publish_job,
     read_dataset_lines,
     resolve_model,
 )
@@ -359,12 +360,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
             job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members]
         )
         storage.put(layout.shard_input(job_id, shard_index), shard.model_dump_json().encode())
-    # job.json last among the plan files: a job whose job.json exists is fully planned.
-    if not storage.put_if_absent(layout.job_json(job_id), job.model_dump_json(indent=2).encode()):
-        raise SubmitError(f"job {job_id} was created concurrently by another submit")
-    progress.register_job(client, job, storage.url)
-    for shard_index in range(len(plan)):
-        enqueue(job_id, shard_index)
+    publish_job(storage, client, job, num_shards=len(plan), enqueue=enqueue)
     logger.info(
         "submitted regenerate job=%s conversations=%d rejected=%d turns=%d shards=%d in %.1fs",
         job_id,
@@ -663,10 +659,7 @@ def regenerate_shard(
         committed_at=utc_now(),
         timings_s={"decode": round(decode_s, 4), "total": round(time.monotonic() - started, 4)},
     )
-    if not storage.put_if_absent(manifest_key, manifest.model_dump_json(indent=1).encode()):
-        manifest = RegenerationManifest.model_validate_json(storage.get(manifest_key))
-        logger.info("shard already committed by another delivery job=%s shard=%d", job_id, shard_index)
-    progress.record_commit(redis_client, manifest)
+    manifest = progress.commit_manifest(storage, redis_client, manifest)
     seconds = time.monotonic() - started
     logger.info(
         "committed job=%s shard=%d conversations=%d failed=%d generated_tokens=%d in %.2fs (%.0f tokens/s, %d reused)",
