@@ -13,11 +13,14 @@ DEFAULT_HOME = Path(".eagle3")
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="EAGLE3_", env_file=".env", extra="ignore")
 
+    # Local state (models, demo files, trainer cache, the embedded storage); first, so later defaults can use it
+    home: Path = DEFAULT_HOME
+
     # Queue and storage
     redis_url: str = "redis://127.0.0.1:6379/0"
     storage_url: str = Field(
-        default_factory=lambda: (DEFAULT_HOME / "storage").resolve().as_uri(),
-        description="file:///abs/dir (embedded default) or s3://bucket/prefix",
+        default_factory=lambda fields: (fields["home"] / "storage").resolve().as_uri(),
+        description="file:///abs/dir (embedded default: {home}/storage) or s3://bucket/prefix",
     )
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
@@ -71,9 +74,8 @@ class Settings(BaseSettings):
     api_url: str = "http://127.0.0.1:8000"
     api_token: str | None = None
 
-    # Target model default (a local Hugging Face folder) and local state
+    # Target model default (a local Hugging Face folder)
     model_path: Path | None = None
-    home: Path = DEFAULT_HOME
     progress_window_s: float = 60.0
     demo_regenerate: bool = Field(
         default=False, description="`eagle3 demo` regenerates the demo conversations with the target first"
