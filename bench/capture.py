@@ -17,6 +17,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -49,6 +50,12 @@ def random_llama_8b(out_dir: Path) -> Path:
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_31_8B, torch_dtype="bfloat16")).to(torch.bfloat16)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def capture_model(name: str, work: Path) -> tuple[Path, dict[str, Any]]:
+    """The model a capture benchmark runs ("llama-3.1-8b-random", "smollm2" or a local folder) and its config."""
+    model_dir = random_llama_8b(work / name) if name == "llama-3.1-8b-random" else resolve_model_path(name)
+    return model_dir, json.loads((model_dir / "config.json").read_text())
 
 
 def bare_prefill_rate(model_dir: Path, prompts: list[list[int]], batch_tokens: int, repeats: int) -> float:
@@ -117,11 +124,7 @@ def main() -> None:
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
-    if args.model == "llama-3.1-8b-random":
-        model_dir = random_llama_8b(args.work / "llama-3.1-8b-random")
-    else:
-        model_dir = resolve_model_path(args.model)
-    config = json.loads((model_dir / "config.json").read_text())
+    model_dir, config = capture_model(args.model, args.work)
     layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     aux = default_aux_layer_ids(layers)
     generator = torch.Generator().manual_seed(0)

@@ -38,14 +38,13 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from bench.capture import random_llama_8b
+from bench.capture import capture_model
 from bench.common import bench_job, in_processes, reference_server
 from services.trainer.train import latest_key
 from shared import layout
 from shared.extraction import capture_and_write
 from shared.inference_client import InferenceClient
 from shared.jobs import default_aux_layer_ids
-from shared.model_assets import resolve_model_path
 from shared.schemas import JobRecord, Manifest, ManifestSample, SampleInput, utc_now
 from shared.shard_format import encode_sample
 from shared.storage import FileStorage
@@ -322,11 +321,7 @@ def capture_rate(
 
 
 def capture(args: argparse.Namespace) -> dict[str, Any]:
-    if args.model == "llama-3.1-8b-random":
-        model_dir = random_llama_8b(args.work / "llama-3.1-8b-random")
-    else:
-        model_dir = resolve_model_path(args.model)
-    config = json.loads((model_dir / "config.json").read_text())
+    model_dir, config = capture_model(args.model, args.work)
     layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     job = bench_job(
         hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, aux_layer_ids=default_aux_layer_ids(layers)
