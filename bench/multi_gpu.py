@@ -17,7 +17,6 @@ embedding, lm_head and final norm), so an 8B-shaped run writes 2 GB of weights, 
 """
 
 import argparse
-import hashlib
 import io
 import json
 import multiprocessing
@@ -42,10 +41,10 @@ from bench.capture import capture_model
 from bench.common import bench_job, in_processes, reference_server
 from services.trainer.train import latest_key
 from shared import layout
-from shared.extraction import capture_and_write
+from shared.extraction import capture_and_write, describe_sample
 from shared.inference_client import InferenceClient
 from shared.jobs import default_aux_layer_ids
-from shared.schemas import JobRecord, Manifest, ManifestSample, SampleInput, utc_now
+from shared.schemas import JobRecord, Manifest, SampleInput, utc_now
 from shared.shard_format import encode_sample
 from shared.storage import FileStorage
 from shared.vocab import build_vocab_mapping, vocab_mapping_bytes
@@ -112,23 +111,16 @@ def synthetic_job(storage: FileStorage, target: Path, shape: dict[str, Any], *, 
     generator = torch.Generator().manual_seed(0)
     entries = []
     for index in range(samples):
-        input_ids = torch.randint(0, shape["draft_vocab_size"], (seq_len,), generator=generator)
+        input_ids = torch.randint(0, shape["draft_vocab_size"], (seq_len,), generator=generator).tolist()
+        sample = SampleInput(
+            sample_index=index, sample_id=f"s{index}", line=index + 1, input_ids=input_ids, loss_mask=[1] * seq_len
+        )
         aux = torch.randn(seq_len, 3 * hidden, generator=generator).to(torch.bfloat16)
         final = torch.randn(seq_len, hidden, generator=generator).to(torch.bfloat16)
-        data = encode_sample(input_ids.tolist(), [1] * seq_len, aux, final)
+        data = encode_sample(sample.input_ids, sample.loss_mask, aux, final)
         key = layout.sample(job_id, index)
         storage.put(key, data)
-        entries.append(
-            ManifestSample(
-                sample_index=index,
-                sample_id=f"s{index}",
-                key=key,
-                num_tokens=seq_len,
-                loss_tokens=seq_len,
-                bytes=len(data),
-                sha256=hashlib.sha256(data).hexdigest(),
-            )
-        )
+        entries.append(describe_sample(sample, key, data))
     base = bench_job(
         hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, aux_layer_ids=default_aux_layer_ids(layers)
     )

@@ -70,7 +70,8 @@ def check_model(job: JobRecord, inference: InferenceClient) -> None:
         )
 
 
-def _describe(sample: SampleInput, key: str, data: bytes) -> ManifestSample:
+def describe_sample(sample: SampleInput, key: str, data: bytes) -> ManifestSample:
+    """A sample file's manifest entry: where it is, its token counts, size and sha256."""
     return ManifestSample(
         sample_index=sample.sample_index,
         sample_id=sample.sample_id,
@@ -96,9 +97,9 @@ def commit_sample(
     key = layout.sample(job.job_id, sample.sample_index)
     data = encode_sample(sample.input_ids, sample.loss_mask, states.aux_hidden_state, states.hidden_state)
     if storage.put_if_absent(key, data):
-        return _describe(sample, key, data), True
+        return describe_sample(sample, key, data), True
     # A concurrent duplicate delivery wrote it first: describe what is stored, which the manifest must match.
-    return _describe(sample, key, storage.get(key)), False
+    return describe_sample(sample, key, storage.get(key)), False
 
 
 def capture_and_write(
@@ -186,7 +187,7 @@ def extract_shard(
     for sample in shard.samples:
         key = layout.sample(job_id, sample.sample_index)
         if storage.exists(key):  # written by an earlier attempt that died before the manifest
-            entries[sample.sample_index] = _describe(sample, key, storage.get(key))
+            entries[sample.sample_index] = describe_sample(sample, key, storage.get(key))
         else:
             pending.append(sample)
 

@@ -561,7 +561,7 @@ class Eagle3Drafter(nn.Module):
         training only has to learn the step ahead; a random head must first learn the whole vocabulary.
         Needs the vocab mapping set first. target_head_weight [V_target, H_t], target_norm_weight [H_t]."""
         H = self.config.hidden_size
-        target_ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        target_ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
         self.lm_head.weight.copy_(target_head_weight[target_ids])  # [V_draft, H]
         self.norm.weight.copy_(target_norm_weight)
         self.fc.weight.zero_()  # [H, 3H_t]: aux blocks low, middle, high

@@ -2,7 +2,6 @@
 the worker makes (with random hidden states, for data tests), and a target for jobs extracted for real through
 the reference server (`tests.trainer.trainer_fixtures.extracted_job`, for training tests)."""
 
-import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,8 @@ import torch
 from torch import nn
 
 from shared import jobs, layout, progress
-from shared.schemas import DeadLetter, JobRecord, JobSpec, Manifest, ManifestSample, utc_now
+from shared.extraction import describe_sample
+from shared.schemas import DeadLetter, JobRecord, JobSpec, Manifest, utc_now
 from shared.settings import Settings
 from shared.shard_format import encode_sample
 from shared.storage import Storage
@@ -47,17 +47,7 @@ def commit_random_shard(storage: Storage, client: redis.Redis, job: JobRecord, s
         data = encode_sample(sample.input_ids, sample.loss_mask, aux, hidden)
         key = layout.sample(job.job_id, sample.sample_index)
         storage.put_if_absent(key, data)
-        entries.append(
-            ManifestSample(
-                sample_index=sample.sample_index,
-                sample_id=sample.sample_id,
-                key=key,
-                num_tokens=length,
-                loss_tokens=sum(sample.loss_mask),
-                bytes=len(data),
-                sha256=hashlib.sha256(data).hexdigest(),
-            )
-        )
+        entries.append(describe_sample(sample, key, data))
     manifest = Manifest(
         job_id=job.job_id,
         shard_index=shard_index,
