@@ -12,7 +12,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import redis
 from rich.console import Console
 from rich.table import Table
@@ -45,9 +44,8 @@ def pipeline_rate(stack: LocalStack, settings: Settings, dataset: Path, model: P
     """(tokens/s from the first shard's start to the last commit, tokens/s from submit to completion)."""
     client = redis.Redis.from_url(settings.redis_url)
     started = time.monotonic()
-    job = httpx.post(
-        f"{stack.api_url}/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(model)}, timeout=600
-    ).json()["job"]
+    with stack.api_client() as api:
+        job = api.post("/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(model)}).json()["job"]
     while not (p := progress.job_progress(client, job["job_id"])).finished:
         stack.check_alive()
         time.sleep(0.2)
@@ -84,6 +82,7 @@ def main() -> None:
     settings = Settings(
         storage_url=(work / "storage").as_uri(),
         model_path=model,
+        dataset_roots=[str(work)],
         home=work,
         inference_concurrency=args.inference_concurrency,
         redis_url="redis://127.0.0.1:6379/15",

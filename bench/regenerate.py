@@ -70,17 +70,17 @@ def pipeline_rate(
     """(generated tokens/s from submit to the assembled dataset, generated tokens, the output)."""
     client = redis.Redis.from_url(settings.redis_url)
     started = time.monotonic()
-    response = httpx.post(
-        f"{stack.api_url}/v1/jobs",
-        json={
-            "dataset_url": str(dataset),
-            "model_path": str(model),
-            "kind": "regenerate",
-            "max_new_tokens": args.max_new_tokens,
-            "conversations_per_shard": args.conversations_per_shard,
-        },
-        timeout=600,
-    )
+    with stack.api_client() as api:
+        response = api.post(
+            "/v1/jobs",
+            json={
+                "dataset_url": str(dataset),
+                "model_path": str(model),
+                "kind": "regenerate",
+                "max_new_tokens": args.max_new_tokens,
+                "conversations_per_shard": args.conversations_per_shard,
+            },
+        )
     job = response.json()["job"]
     while not (p := progress.job_progress(client, job["job_id"])).finished:
         stack.check_alive()
@@ -122,6 +122,7 @@ def main() -> None:
     settings = Settings(
         storage_url=(work / "storage").as_uri(),
         model_path=model,
+        dataset_roots=[str(work)],
         home=work,
         regenerate_concurrency=args.concurrency,
         redis_url="redis://127.0.0.1:6379/15",

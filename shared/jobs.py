@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import shared
-from shared import layout, progress
+from shared import access, layout, progress
 from shared.datasets import InvalidRecord, read_dataset
 from shared.errors import (
     ConfigurationError,
@@ -54,6 +54,7 @@ def new_job_id() -> str:
 
 def read_dataset_lines(url: str, settings: Settings) -> Iterator[bytes]:
     """Lines of a JSONL dataset at a local path, file:// URL or s3:// URL."""
+    url = access.confine_dataset_url(url, settings)
     parsed = urlparse(url)
     if parsed.scheme == "s3":
         try:
@@ -75,7 +76,7 @@ def resolve_model(spec: JobSpec, settings: Settings) -> Path:
     value = spec.model_path or (str(settings.model_path) if settings.model_path else None)
     if value is None:
         raise SubmitError("no target model: give model_path in the job or set EAGLE3_MODEL_PATH")
-    path = Path(value)
+    path = access.confine_model_path(value, settings)
     if not (path / "config.json").is_file():
         raise SubmitError(f"model folder {path} not found (no config.json there)")
     return path.resolve()
@@ -85,7 +86,9 @@ def check_services(settings: Settings, storage: Storage, client: redis.Redis) ->
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise DependencyUnavailable(f"Redis at {settings.redis_url} is not reachable: {exc}") from exc
+        raise DependencyUnavailable(
+            f"Redis at {access.redact_url(settings.redis_url)} is not reachable: {exc}"
+        ) from exc
     try:
         storage.check()
     except Eagle3Error as exc:

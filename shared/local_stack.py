@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
+from shared import access
 from shared.errors import Eagle3Error
 from shared.settings import Settings
 
@@ -65,6 +66,10 @@ class LocalStack:
         self.extra_env = extra_env or {}
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.env: dict[str, str] = {}
+        # The API is closed like any other: the configured token, else one for this session.
+        self.api_token: str | None = None
+        if settings.api_auth == "on":
+            self.api_token = settings.api_token.get_secret_value() if settings.api_token else access.new_api_token()
 
     def __enter__(self) -> "LocalStack":
         try:
@@ -83,6 +88,11 @@ class LocalStack:
     def api_url(self) -> str:
         return self.env["EAGLE3_API_URL"]
 
+    def api_client(self, timeout_s: float = 600) -> httpx.Client:
+        """An HTTP client of this stack's API, with its token."""
+        headers = {"Authorization": f"Bearer {self.api_token}"} if self.api_token else {}
+        return httpx.Client(base_url=self.api_url, headers=headers, timeout=timeout_s)
+
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         s = self.settings
@@ -91,13 +101,14 @@ class LocalStack:
         # Every process sees exactly these settings, whatever the caller's environment says.
         exported = {
             f"EAGLE3_{name.upper()}": value if isinstance(value, str) else json.dumps(value)
-            for name, value in s.model_dump(mode="json").items()
+            for name, value in s.model_dump(mode="json", exclude={"api_token"}).items()
             if value is not None
         }
         self.env = {
             **os.environ,
             **exported,
             **self.extra_env,
+            **({"EAGLE3_API_TOKEN": self.api_token} if self.api_token else {}),
             "EAGLE3_REDIS_URL": self._ensure_redis(),
             "EAGLE3_INFERENCE_PORT": str(inference_port),
             "EAGLE3_INFERENCE_URL": f"http://127.0.0.1:{inference_port}",

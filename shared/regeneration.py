@@ -35,7 +35,7 @@ import transformers
 from pydantic import BaseModel
 
 import shared
-from shared import layout, progress
+from shared import access, layout, progress
 from shared.capture_protocol import ModelInfo
 from shared.datasets import Conversation, InvalidRecord, Message, read_dataset
 from shared.errors import (
@@ -297,6 +297,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
     job_id = spec.job_id or new_job_id()
     if storage.exists(layout.job_json(job_id)):
         raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
+    access.confine_output_url(spec.output_url, settings)
     if spec.output_url is not None and _exists(spec.output_url, settings):
         raise SubmitError(f"output {spec.output_url} already exists; the regenerated dataset is never overwritten")
     try:
@@ -842,7 +843,7 @@ def _exists(url: str, settings: Settings) -> bool:
 
 def submit_through_api(spec: JobSpec, settings: Settings, *, timeout_s: float = 600.0) -> str:
     """Ask the producer API to submit a job (the chained extraction): it owns the model folder and the planning."""
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+    headers = access.auth_headers(settings)
     url = f"{settings.api_url.rstrip('/')}/v1/jobs"
     try:
         response = httpx.post(url, json=spec.model_dump(mode="json"), headers=headers, timeout=timeout_s)

@@ -5,6 +5,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from shared.access import JOB_ID_PATTERN
+
 LengthPolicy = Literal["truncate", "reject"]
 JobState = Literal["queued", "running", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
@@ -22,7 +24,7 @@ class JobSpec(BaseModel):
     model_path: str | None = Field(
         default=None, description="local Hugging Face folder of the target; default EAGLE3_MODEL_PATH"
     )
-    job_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     max_length: int = Field(default=2048, ge=8)
     length_policy: LengthPolicy = "truncate"
     draft_vocab_size: int = Field(default=32000, ge=1)

@@ -1,13 +1,19 @@
 """Service settings: one typed model, read from the environment (prefix EAGLE3_) or `.env`."""
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.access import is_loopback, redact_url
 
 DEFAULT_HOME = Path(".eagle3")
+# Placeholders from our own examples (.env.example, k8s/base/secret.template.yaml): never a real token.
+EXAMPLE_API_TOKENS = {"changethis", "change-me", "<output of: openssl rand -hex 32>"}
+MIN_API_TOKEN_CHARS = 16
 
 
 class Settings(BaseSettings):
@@ -72,7 +78,20 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = 8000
     api_url: str = "http://127.0.0.1:8000"
-    api_token: str | None = None
+    api_token: SecretStr | None = Field(
+        default=None,
+        description="bearer token of the API; the producer refuses to start without one unless api_auth=off",
+    )
+    api_auth: Literal["on", "off"] = Field(
+        default="on", description="off: no token at all, accepted only when api_host is a loopback address"
+    )
+    api_max_request_bytes: int = Field(default=1024 * 1024, ge=1, description="413 above this (JSON bodies)")
+    api_max_upload_bytes: int = Field(default=1024**3, ge=1, description="413 above this (POST /v1/jobs/upload)")
+    # Where jobs may read from (shared/access.py). Each a local folder or s3://bucket/prefix, as a JSON list or
+    # comma-separated; none: local datasets are refused (uploads and the storage bucket always work).
+    dataset_roots: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Local folders target models may come from; unset: model_path's parent and {home}/models.
+    model_roots: Annotated[list[Path] | None, NoDecode] = None
 
     # Target model default (a local Hugging Face folder)
     model_path: Path | None = None
@@ -81,6 +100,19 @@ class Settings(BaseSettings):
         default=False, description="`eagle3 demo` regenerates the demo conversations with the target first"
     )
 
+    @field_validator("dataset_roots", "model_roots", mode="before")
+    @classmethod
+    def _split_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.strip()
+            return json.loads(value) if value.startswith("[") else [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    def __repr_args__(self) -> Any:
+        # A Redis or S3 endpoint URL may carry a password (redis://:secret@host); SecretStr covers the token.
+        for name, value in super().__repr_args__():
+            yield name, redact_url(value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self) -> "Settings":
         if self.retry_backoff_max_s * 2 >= self.visibility_timeout_s:
@@ -88,8 +120,18 @@ class Settings(BaseSettings):
                 f"visibility_timeout_s={self.visibility_timeout_s} must exceed twice retry_backoff_max_s="
                 f"{self.retry_backoff_max_s}, or retried shards are redelivered while they wait"
             )
-        if self.api_token is not None and self.api_token in {"", "changethis"}:
-            raise ValueError("EAGLE3_API_TOKEN must be a real secret or unset")
+        if self.api_token is not None:
+            token = self.api_token.get_secret_value()
+            if token.strip() in EXAMPLE_API_TOKENS or len(token.strip()) < MIN_API_TOKEN_CHARS:
+                raise ValueError(
+                    f"EAGLE3_API_TOKEN is empty, an example value or shorter than {MIN_API_TOKEN_CHARS} characters: "
+                    "set a real secret (openssl rand -hex 32) or unset it"
+                )
+        if self.api_auth == "off" and not is_loopback(self.api_host):
+            raise ValueError(
+                f"EAGLE3_API_AUTH=off is accepted only when the API listens on a loopback address, but "
+                f"EAGLE3_API_HOST={self.api_host}: set EAGLE3_API_TOKEN instead, or bind to 127.0.0.1"
+            )
         return self
 
 

@@ -2,22 +2,64 @@
 
 from pathlib import Path
 
-from fastapi import FastAPI
-from fastapi.responses import HTMLResponse, PlainTextResponse
+from fastapi import FastAPI, HTTPException, status
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import shared
 from services.producer.deps import get_redis
 from services.producer.metrics import JobsCollector
 from services.producer.routes import jobs
+from shared import access
 from shared.settings import Settings, get_settings
 
 DASHBOARD = Path(__file__).parent / "static" / "dashboard.html"
 
 
+UPLOAD_PATH = "/v1/jobs/upload"
+
+
+class BodySizeLimit:
+    """413 for a request body over its limit: uploads get EAGLE3_API_MAX_UPLOAD_BYTES, every other request
+    EAGLE3_API_MAX_REQUEST_BYTES. Refused from Content-Length before reading, else counted as it arrives."""
+
+    def __init__(self, app: ASGIApp, *, max_request_bytes: int, max_upload_bytes: int) -> None:
+        self.app = app
+        self.limits = {UPLOAD_PATH: (max_upload_bytes, "EAGLE3_API_MAX_UPLOAD_BYTES")}
+        self.default = (max_request_bytes, "EAGLE3_API_MAX_REQUEST_BYTES")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit, setting = self.limits.get(scope["path"], self.default)
+        too_large = f"request body over {limit} bytes ({setting})"
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return await JSONResponse({"detail": too_large}, status_code=413)(scope, receive, send)
+        received = 0
+
+        async def receive_within_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # a chunked body, or one longer than it said
+                raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, too_large)
+            return message
+
+        await self.app(scope, receive_within_limit, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    access.check_api_settings(settings)  # closed by default: no token, no start
     app = FastAPI(title="EAGLE-3 hidden-state factory", version=shared.__version__)
+    app.add_middleware(
+        BodySizeLimit,
+        max_request_bytes=settings.api_max_request_bytes,
+        max_upload_bytes=settings.api_max_upload_bytes,
+    )
     app.include_router(jobs.router)
     if settings is not get_settings():
         app.dependency_overrides[get_settings] = lambda: settings

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared import progress
+from shared import access, progress
 from shared.errors import Eagle3Error
 from shared.local_stack import LocalStack
 from shared.schemas import Progress as JobProgress
@@ -25,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 def _api(settings: Settings) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-    return httpx.Client(base_url=settings.api_url, headers=headers, timeout=600)
+    return httpx.Client(base_url=settings.api_url, headers=access.auth_headers(settings), timeout=600)
 
 
 def _check(response: httpx.Response) -> dict:
@@ -267,12 +266,21 @@ def _exit_on_sigterm() -> None:
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
     _exit_on_sigterm()
+    # Local datasets: the configured roots, else a folder of this stack's own.
+    data_dir = (settings.home / "data").resolve()
+    if not settings.dataset_roots:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        settings = settings.model_copy(update={"dataset_roots": [str(data_dir)]})
+    token_file = access.session_token_file(settings)
     try:
         with LocalStack(settings, workers=args.workers, log_dir=settings.home / "logs") as stack:
+            if stack.api_token is not None and settings.api_token is None:
+                access.write_session_token(settings, stack.api_url, stack.api_token)  # for the CLI in another shell
             console.print(
                 f"stack up: producer {stack.api_url} (dashboard {stack.api_url}/dashboard), "
                 f"inference {stack.env['EAGLE3_INFERENCE_URL']}, {args.workers} workers; logs in "
-                f"{settings.home / 'logs'}. Ctrl-C stops everything."
+                f"{settings.home / 'logs'}. Datasets: under {', '.join(settings.dataset_roots)} or "
+                "`eagle3 submit --upload`. Ctrl-C stops everything."
             )
             while True:
                 stack.check_alive()
@@ -281,6 +289,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
         console.print("stopped")
     except Eagle3Error as exc:
         raise SystemExit(str(exc)) from exc
+    finally:
+        if settings.api_token is None:
+            token_file.unlink(missing_ok=True)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

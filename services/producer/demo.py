@@ -30,7 +30,10 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     console.print(f"[bold]1/{steps}[/] target model and data")
     model = resolve_model_path(args.model).resolve()
     dataset = write_demo_dataset(demo_dir / "conversations.jsonl", num_conversations=args.conversations)
-    settings = settings.model_copy(update={"model_path": model})
+    # The stack reads its own data folder and model (shared/access.py confines jobs to configured roots).
+    settings = settings.model_copy(
+        update={"model_path": model, "dataset_roots": [*settings.dataset_roots, str(demo_dir.resolve())]}
+    )
     console.print(f"      model {model}\n      data  {dataset} ({args.conversations} conversations)")
     try:
         console.print(f"[bold]2/{steps}[/] starting the stack ({args.workers} workers; logs in {demo_dir / 'logs'})")
@@ -42,7 +45,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
                 "shard_token_budget": args.shard_token_budget,
                 "draft_vocab_size": args.draft_vocab_size,
             }
-            with httpx.Client(base_url=stack.api_url, timeout=600) as api:
+            with stack.api_client() as api:
                 if regenerate:
                     console.print(
                         f"[bold]3/{steps}[/] regenerating the assistant turns with the target "

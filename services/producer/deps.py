@@ -4,8 +4,10 @@ from functools import cache
 from typing import Annotated
 
 import redis
-from fastapi import Depends, Header, HTTPException, status
+from fastapi import Depends, HTTPException, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from shared import access
 from shared.jobs import Enqueue
 from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK, REGENERATE_TASK, extract_task_id, regenerate_task_id
 from shared.settings import Settings, get_settings
@@ -57,15 +59,27 @@ def get_enqueue_regenerate() -> Enqueue:
     return enqueue
 
 
-def require_token(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
-    if settings.api_token is None:
+_bearer = HTTPBearer(auto_error=False, description="EAGLE3_API_TOKEN")
+
+
+def require_token(
+    settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    if settings.api_auth == "off":  # accepted only on a loopback address (shared/access.py)
         return
-    if authorization != f"Bearer {settings.api_token}":
+    if not access.token_matches(credentials.credentials if credentials else None, settings):
         raise HTTPException(
             status.HTTP_401_UNAUTHORIZED,
-            "missing or wrong bearer token (EAGLE3_API_TOKEN)",
+            "missing or wrong bearer token (the API's EAGLE3_API_TOKEN)",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+def valid_job_id(job_id: str) -> str:
+    """A job id from the path, checked before it becomes a storage key: anything else names no job."""
+    if not access.is_valid_job_id(job_id):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id!r} not found (not a valid job id)")
+    return job_id
 
 
 StorageDep = Annotated[Storage, Depends(get_storage)]
@@ -73,3 +87,4 @@ RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 EnqueueDep = Annotated[Enqueue, Depends(get_enqueue)]
 RegenerateEnqueueDep = Annotated[Enqueue, Depends(get_enqueue_regenerate)]
 Authorized = Depends(require_token)
+JobIdPath = Annotated[str, Depends(valid_job_id)]

@@ -71,8 +71,13 @@ def run(command: list[str | Path], **kwargs: Any) -> subprocess.CompletedProcess
 
 
 def clean_env() -> dict[str, str]:
-    # No COMPOSE_* or EAGLE3_* from the developer's shell leaks into what is validated.
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp")}
+    # No COMPOSE_* or EAGLE3_* from the developer's shell leaks into what is validated. The producer needs a token
+    # (compose refuses to start without one); this one only ever meets `docker compose config`.
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/tmp"),
+        "EAGLE3_API_TOKEN": "compose-config-test-token",
+    }
 
 
 def compose(*args: str, profiles: tuple[str, ...] = (), files: tuple[Path, ...] = (COMPOSE_FILE,)) -> list[str]:

@@ -37,7 +37,7 @@ class Deployment:
     def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
         self.stack, self.settings, self.storage = stack, settings, storage
         self.redis = redis.Redis.from_url(settings.redis_url)
-        self.api = httpx.Client(base_url=stack.api_url, timeout=120)
+        self.api = stack.api_client(timeout_s=120)
 
     def submit(self, dataset: Path, **spec: object) -> dict:
         response = self.api.post("/v1/jobs", json={"dataset_url": str(dataset), **spec})
@@ -71,6 +71,7 @@ def deployment(
         storage_url=f"s3://{s3_server.bucket}/e2e-{uuid.uuid4().hex[:8]}",
         s3_endpoint_url=s3_server.endpoint_url,
         model_path=tiny_model_dir,
+        dataset_roots=[str(tmp_path_factory.getbasetemp())],  # every test's tmp_path
         home=home,
         inference_concurrency=2,
         task_max_retries=1,
@@ -216,3 +217,17 @@ def test_dead_inference_server_dead_letters_then_resume_completes(deployment: De
         job["tokens_total"],
     )
     assert not deployment.storage.list(layout.dead_letter_prefix(job["job_id"]))
+
+
+def test_the_real_api_is_closed_and_no_secret_reaches_a_log(deployment: Deployment, s3_server) -> None:
+    # Last in this module: the logs hold every request, task and shard of the tests above.
+    anonymous = httpx.post(f"{deployment.stack.api_url}/v1/jobs", json={"dataset_url": "/etc/passwd"}, timeout=30)
+    assert anonymous.status_code == 401
+    token = deployment.stack.api_token
+    assert token is not None
+    logs = sorted((deployment.settings.home / "logs").glob("*.log"))
+    assert {p.stem for p in logs} >= {"producer", "worker-1", "worker-2", "inference"}
+    for log in logs:
+        text = log.read_text(errors="replace")
+        assert token not in text, f"the API token in {log}"
+        assert s3_server.secret_key not in text, f"the S3 secret key in {log}"

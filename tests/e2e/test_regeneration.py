@@ -81,7 +81,7 @@ class Deployment:
     def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
         self.stack, self.settings, self.storage = stack, settings, storage
         self.redis = redis.Redis.from_url(settings.redis_url)
-        self.api = httpx.Client(base_url=stack.api_url, timeout=120)
+        self.api = stack.api_client(timeout_s=120)
 
     def regenerate(self, dataset: Path, **spec: object) -> dict:
         body = {"dataset_url": str(dataset), "kind": "regenerate", "max_new_tokens": MAX_NEW_TOKENS, **spec}
@@ -113,6 +113,7 @@ def deployment(
         storage_url=f"s3://{s3_server.bucket}/regen-{uuid.uuid4().hex[:8]}",
         s3_endpoint_url=s3_server.endpoint_url,
         model_path=tiny_model_dir,
+        dataset_roots=[str(tmp_path_factory.getbasetemp())],  # every test's tmp_path
         home=home,
         regenerate_concurrency=4,
         task_max_retries=1,

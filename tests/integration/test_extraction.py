@@ -21,7 +21,9 @@ pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.reference_serve
 
 def plan(tmp_path: Path, model_dir: Path, redis_url: str, storage: Storage, **spec: object) -> jobs.JobRecord:
     dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
-    settings = Settings(redis_url=redis_url, storage_url=storage.url)
+    settings = Settings(
+        redis_url=redis_url, storage_url=storage.url, dataset_roots=[str(tmp_path)], model_roots=[model_dir.parent]
+    )
     return jobs.submit(
         JobSpec(dataset_url=str(dataset), model_path=str(model_dir), **spec),
         settings=settings,

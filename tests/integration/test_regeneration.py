@@ -32,6 +32,7 @@ from shared.tokenization import ChatTokenizer
 from tests.datasets import write_dataset
 
 pytest_plugins = ["tests.fixtures.redis_server"]
+API_TOKEN = "regeneration-test-token-0123456789"
 
 CONVERSATIONS = [
     {
@@ -112,7 +113,13 @@ class Setup:
     def __init__(self, model_dir: Path, storage: Storage, redis_url: str, dataset: Path) -> None:
         self.model_dir, self.storage, self.dataset = model_dir, storage, dataset
         self.redis = redis.Redis.from_url(redis_url)
-        self.settings = Settings(redis_url=redis_url, storage_url=storage.url)
+        self.settings = Settings(
+            redis_url=redis_url,
+            storage_url=storage.url,
+            api_token=API_TOKEN,
+            dataset_roots=[str(dataset.parent)],
+            model_roots=[model_dir.parent],
+        )
         self.enqueued: list[tuple[str, int]] = []
         self.chained: list[JobSpec] = []
 
@@ -375,7 +382,7 @@ def api(setup: Setup) -> Iterator[tuple[TestClient, list[tuple[str, str, int]]]]
     app.dependency_overrides[get_enqueue_regenerate] = lambda: (
         lambda job_id, shard: sent.append(("regenerate", job_id, shard))
     )
-    with TestClient(app) as client:
+    with TestClient(app, headers={"Authorization": f"Bearer {API_TOKEN}"}) as client:
         yield client, sent
 
 

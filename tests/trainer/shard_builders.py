@@ -24,7 +24,9 @@ def plan_job(
 ) -> JobRecord:
     """Tokenize and plan a job (job.json, shard inputs, vocab mapping) without enqueueing anything."""
     dataset, _ = write_dataset(tmp_path / f"data-{repeat}.jsonl", with_bad_lines=False, repeat=repeat)
-    settings = Settings(redis_url=redis_url, storage_url=storage.url)
+    settings = Settings(
+        redis_url=redis_url, storage_url=storage.url, dataset_roots=[str(tmp_path)], model_roots=[model_dir.parent]
+    )
     return jobs.submit(
         JobSpec(dataset_url=str(dataset), model_path=str(model_dir), **spec),
         settings=settings,

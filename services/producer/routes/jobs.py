@@ -6,7 +6,15 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, ValidationError
 
-from services.producer.deps import Authorized, EnqueueDep, RedisDep, RegenerateEnqueueDep, SettingsDep, StorageDep
+from services.producer.deps import (
+    Authorized,
+    EnqueueDep,
+    JobIdPath,
+    RedisDep,
+    RegenerateEnqueueDep,
+    SettingsDep,
+    StorageDep,
+)
 from shared import jobs, layout, progress, regeneration
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
 from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
@@ -87,6 +95,8 @@ def create_job_from_upload(
         parsed = JobSpec.model_validate(fields)
     except (json.JSONDecodeError, ValidationError, AttributeError) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"spec: {exc}") from exc
+    if storage.exists(layout.job_json(parsed.job_id)):  # never replace the dataset of an existing job
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"job {parsed.job_id} already exists")
     storage.put(key, dataset.file.read())
     return _submit(parsed, settings, storage, client, enqueue, enqueue_regenerate)
 
@@ -96,8 +106,8 @@ def list_jobs(settings: SettingsDep, client: RedisDep) -> list[Progress]:
     return [_progress(job_id, settings, client) for job_id in progress.list_jobs(client)]
 
 
-@router.get("/{job_id}")
-def get_job(job_id: str, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobPublic:
+@router.get("/{job_id}", dependencies=[Authorized])
+def get_job(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobPublic:
     try:
         job = jobs.load_job(storage, job_id)
     except JobNotFound as exc:
@@ -105,8 +115,8 @@ def get_job(job_id: str, settings: SettingsDep, storage: StorageDep, client: Red
     return JobPublic(job=job, progress=_progress(job_id, settings, client))
 
 
-@router.get("/{job_id}/rejected")
-def get_rejected(job_id: str, storage: StorageDep) -> list[RejectedSample]:
+@router.get("/{job_id}/rejected", dependencies=[Authorized])
+def get_rejected(job_id: JobIdPath, storage: StorageDep) -> list[RejectedSample]:
     try:
         data = storage.get(layout.rejected(job_id))
     except KeyError as exc:
@@ -114,8 +124,8 @@ def get_rejected(job_id: str, storage: StorageDep) -> list[RejectedSample]:
     return [RejectedSample.model_validate_json(line) for line in data.splitlines() if line.strip()]
 
 
-@router.get("/{job_id}/failed")
-def get_failed(job_id: str, storage: StorageDep) -> list[FailedConversation]:
+@router.get("/{job_id}/failed", dependencies=[Authorized])
+def get_failed(job_id: JobIdPath, storage: StorageDep) -> list[FailedConversation]:
     """A regenerate job's conversations that are not in its output, each with its reason."""
     try:
         job = jobs.load_job(storage, job_id)
@@ -125,7 +135,7 @@ def get_failed(job_id: str, storage: StorageDep) -> list[FailedConversation]:
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
-def cancel_job(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
+def cancel_job(job_id: JobIdPath, settings: SettingsDep, client: RedisDep) -> Progress:
     """Queued shards are skipped; shards already running finish and stay committed."""
     try:
         progress.cancel(client, job_id)
@@ -136,7 +146,7 @@ def cancel_job(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress
 
 @router.post("/{job_id}/resume", dependencies=[Authorized])
 def resume_job(
-    job_id: str,
+    job_id: JobIdPath,
     settings: SettingsDep,
     storage: StorageDep,
     client: RedisDep,
