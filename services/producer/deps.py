@@ -16,9 +16,7 @@ from shared.storage import Storage, open_storage
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-@cache
-def _storage(url: str) -> Storage:
-    return open_storage(url, get_settings())
+_storages: dict[tuple[str, str | None], Storage] = {}
 
 
 @cache
@@ -27,7 +25,11 @@ def _redis(url: str) -> redis.Redis:
 
 
 def get_storage(settings: SettingsDep) -> Storage:
-    return _storage(settings.storage_url)
+    # One per store (its S3 client pools connections), opened with the app's settings (endpoint, region).
+    key = (settings.storage_url, settings.s3_endpoint_url)
+    if key not in _storages:
+        _storages[key] = open_storage(settings.storage_url, settings)
+    return _storages[key]
 
 
 def get_redis(settings: SettingsDep) -> redis.Redis:

@@ -59,7 +59,7 @@ def make_settings(root: Path, redis_url: str, model_dir: Path, **fields: object)
         "home": root / "home",
         "api_token": TOKEN,
         "dataset_roots": [str(root / "data")],
-        "model_roots": [model_dir.parent],
+        "model_roots": [model_dir],  # the test model's own folder: tmp_path and its siblings are outside
     }
     return Settings(_env_file=None, **(defaults | fields))
 
@@ -259,7 +259,8 @@ def test_default_model_roots_are_the_configured_models_parent(
         dataset, _ = write_dataset(api.data / "chats.jsonl")
         response = api.client.post("/v1/jobs", json={"dataset_url": str(dataset)}, headers=AUTH)
         assert response.status_code == 201, response.text
-        assert api.submit(dataset, api.root / "secret").status_code == 422
+        refused = api.submit(dataset, Path("/usr"))
+        assert refused.status_code == 422 and "is outside the model roots" in refused.json()["detail"]
 
 
 def test_a_regenerate_output_outside_the_roots_is_a_422(api: Api, tiny_model_dir: Path) -> None:
