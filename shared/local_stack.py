@@ -143,7 +143,9 @@ class LocalStack:
             return url
         parsed = urlparse(url)
         if parsed.hostname not in ("127.0.0.1", "localhost"):
-            raise StackError(f"Redis at {url} is not reachable, and it is not local, so it cannot be started here")
+            raise StackError(
+                f"Redis at {access.redact_url(url)} is not reachable, and it is not local, so it cannot be started here"
+            )
         port = parsed.port or 6379
         data_dir = self.log_dir / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)

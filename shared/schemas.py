@@ -42,7 +42,7 @@ class JobSpec(BaseModel):
     reasoning: ReasoningPolicy = Field(default="keep", description="keep or drop <think>...</think> text")
     conversations_per_shard: int = Field(default=64, ge=1, description="conversations per regeneration shard")
     output_url: str | None = Field(
-        default=None, description="also write the regenerated dataset here (a path the workers can write, or s3://)"
+        default=None, description="also write the regenerated dataset here (under the dataset roots, or s3://)"
     )
     then_extract: bool = Field(default=False, description="submit an extraction job on the regenerated dataset")
     then_train: bool = Field(

@@ -266,9 +266,8 @@ def _exit_on_sigterm() -> None:
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
     _exit_on_sigterm()
-    # Local datasets: the configured roots, else a folder of this stack's own.
-    data_dir = (settings.home / "data").resolve()
-    if not settings.dataset_roots:
+    if not settings.dataset_roots:  # local datasets: the configured roots, else a folder of this stack's own
+        data_dir = (settings.home / "data").resolve()
         data_dir.mkdir(parents=True, exist_ok=True)
         settings = settings.model_copy(update={"dataset_roots": [str(data_dir)]})
     token_file = access.session_token_file(settings)
@@ -314,7 +313,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "job (--then-extract).",
     )
     p.add_argument("--dataset", required=True, help="JSONL path or URL (file://, s3://)")
-    p.add_argument("--out", help="also write the regenerated JSONL here (a path the workers can write, or s3://)")
+    p.add_argument("--out", help="also write the regenerated JSONL here (under EAGLE3_DATASET_ROOTS, or s3://)")
     p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
     p.add_argument("--job-id")
     p.add_argument("--max-new-tokens", type=int, help="per assistant turn (default 2048)")
