@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import bench_job, in_processes, reference_server
-from shared.extraction import capture_and_write
+from shared.kinds.extract import capture_and_write
 from shared.inference_client import InferenceClient
-from shared.jobs import default_aux_layer_ids
+from shared.capture_protocol import default_aux_layer_ids
 from shared.model_assets import resolve_model_path
 from shared.schemas import JobRecord, SampleInput
 from shared.storage import FileStorage

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from bench.common import bench_job, in_processes
 from shared.capture_protocol import CapturedStates, decode_capture_body, encode_capture_body
-from shared.extraction import commit_sample
+from shared.kinds.extract import commit_sample
 from shared.schemas import JobRecord, SampleInput
 from shared.shard_format import encode_sample, validate_capture
 from shared.storage import open_storage

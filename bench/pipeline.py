@@ -21,7 +21,7 @@ from shared import layout, progress
 from shared.datasets import Conversation, read_dataset
 from shared.demo_data import write_demo_dataset
 from shared.inference_client import InferenceClient
-from shared.jobs import default_aux_layer_ids
+from shared.capture_protocol import default_aux_layer_ids
 from shared.local_stack import LocalStack
 from shared.model_assets import resolve_model_path
 from shared.schemas import Manifest

@@ -149,7 +149,8 @@ class ManifestSample(BaseModel):
 
 
 class Manifest(BaseModel):
-    """manifests/shard_{k}.json, written create-only and last: a shard exists iff its manifest exists."""
+    """manifests/shard_{k}.json, written create-only and last: a shard exists iff its manifest exists.
+    Build one with `Manifest.of`, which computes the totals from the samples."""
 
     job_id: str
     shard_index: int
@@ -161,10 +162,27 @@ class Manifest(BaseModel):
     num_tokens: int
     loss_tokens: int
     bytes: int
-    worker: str
-    started_at: str
-    committed_at: str
-    timings_s: dict[str, float]
+    # Stamped by the shard lifecycle (shared/shards.py) just before the commit.
+    worker: str = ""
+    started_at: str = ""
+    committed_at: str = ""
+    timings_s: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, job: "JobRecord", shard_index: int, samples: list[ManifestSample], **stamps: Any) -> "Manifest":
+        return cls(
+            job_id=job.job_id,
+            shard_index=shard_index,
+            aux_layer_ids=job.aux_layer_ids,
+            hidden_size=job.hidden_size,
+            dtype=job.dtype,
+            samples=samples,
+            num_samples=len(samples),
+            num_tokens=sum(s.num_tokens for s in samples),
+            loss_tokens=sum(s.loss_tokens for s in samples),
+            bytes=sum(s.bytes for s in samples),
+            **stamps,
+        )
 
 
 class DeadLetter(BaseModel):
@@ -322,7 +340,8 @@ class RegenerationManifest(BaseModel):
     num_tokens: int
     bytes: int
     counters: dict[str, int]  # added to the job's Redis counters when the shard is counted
-    worker: str
-    started_at: str
-    committed_at: str
-    timings_s: dict[str, float]
+    # Stamped by the shard lifecycle (shared/shards.py) just before the commit.
+    worker: str = ""
+    started_at: str = ""
+    committed_at: str = ""
+    timings_s: dict[str, float] = Field(default_factory=dict)

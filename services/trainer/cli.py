@@ -36,7 +36,7 @@ _TRAIN_OPTIONS: dict[str, tuple[type, str]] = {
 
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer.train import TrainConfig, train
-    from shared.regeneration import training_job_id
+    from shared.kinds.regenerate import training_job_id
     from shared.storage import open_storage
 
     given: dict[str, Any] = {name: getattr(args, name) for name in _TRAIN_OPTIONS if getattr(args, name) is not None}

@@ -17,7 +17,7 @@ from celery import Celery
 from shared import layout, progress
 from shared.datasets import Conversation, read_dataset
 from shared.errors import InvalidSample
-from shared.jobs import load_job, load_shard_input
+from shared.shards import load_job, load_shard_input
 from shared.local_stack import LocalStack
 from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK
 from shared.schemas import Manifest, Progress
@@ -163,9 +163,8 @@ def test_killed_workers_shards_are_redelivered_and_committed_once(deployment: De
     job = deployment.submit(dataset, shard_token_budget=400)
     job_id, storage = job["job_id"], deployment.storage
 
-    shard_of = {
-        s.sample_index: k for k in range(job["shards_total"]) for s in load_shard_input(storage, job_id, k).samples
-    }
+    record = load_job(storage, job_id)
+    shard_of = {s.sample_index: k for k in range(record.shards_total) for s in load_shard_input(storage, record, k).samples}
 
     def mid_shard() -> bool:
         committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}

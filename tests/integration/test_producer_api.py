@@ -23,7 +23,7 @@ class Api:
 def make_api(settings: Settings) -> Iterator[Api]:
     enqueued: list[tuple[str, int]] = []
     app = create_app(settings)
-    app.dependency_overrides[get_enqueue] = lambda: lambda job_id, shard: enqueued.append((job_id, shard))
+    app.dependency_overrides[get_enqueue] = lambda: lambda kind, job_id, shard: enqueued.append((job_id, shard))
     with TestClient(app) as client:
         yield Api(client, enqueued, settings)
 

@@ -6,8 +6,9 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, ValidationError
 
-from services.producer.deps import Authorized, EnqueueDep, RedisDep, RegenerateEnqueueDep, SettingsDep, StorageDep
-from shared import jobs, layout, progress, regeneration
+from services.producer.deps import Authorized, EnqueueDep, RedisDep, SettingsDep, StorageDep
+from shared import jobs, layout, progress
+from shared.kinds import regenerate
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
 from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 
@@ -19,23 +20,9 @@ class JobPublic(BaseModel):
     progress: Progress
 
 
-def _submit(
-    spec: JobSpec,
-    settings: SettingsDep,
-    storage: StorageDep,
-    client: RedisDep,
-    enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
-) -> JobPublic:
-    submit = regeneration.submit if spec.kind == "regenerate" else jobs.submit
+def _submit(spec: JobSpec, settings: SettingsDep, storage: StorageDep, client: RedisDep, enqueue: EnqueueDep) -> JobPublic:
     try:
-        job = submit(
-            spec,
-            settings=settings,
-            storage=storage,
-            client=client,
-            enqueue=enqueue_regenerate if spec.kind == "regenerate" else enqueue,
-        )
+        job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=enqueue)
     except OverBudget as exc:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(exc)) from exc
     except DependencyUnavailable as exc:
@@ -61,11 +48,10 @@ def create_job(
     storage: StorageDep,
     client: RedisDep,
     enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
 ) -> JobPublic:
     """Plan a job from a dataset already in storage or on a path the producer can read. `kind: "regenerate"`
     rewrites the assistant turns with the target (docs/regeneration.md); otherwise hidden states are extracted."""
-    return _submit(spec, settings, storage, client, enqueue, enqueue_regenerate)
+    return _submit(spec, settings, storage, client, enqueue)
 
 
 @router.post("/upload", status_code=status.HTTP_201_CREATED, dependencies=[Authorized])
@@ -76,7 +62,6 @@ def create_job_from_upload(
     storage: StorageDep,
     client: RedisDep,
     enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
 ) -> JobPublic:
     """Upload a dataset with the job; it is kept in storage as `{job_id}/dataset.jsonl`."""
     try:
@@ -88,7 +73,7 @@ def create_job_from_upload(
     except (json.JSONDecodeError, ValidationError, AttributeError) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"spec: {exc}") from exc
     storage.put(key, dataset.file.read())
-    return _submit(parsed, settings, storage, client, enqueue, enqueue_regenerate)
+    return _submit(parsed, settings, storage, client, enqueue)
 
 
 @router.get("")
@@ -121,7 +106,7 @@ def get_failed(job_id: str, storage: StorageDep) -> list[FailedConversation]:
         job = jobs.load_job(storage, job_id)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    return regeneration.failed_conversations(storage, job_id) if job.kind == "regenerate" else []
+    return regenerate.failed_conversations(storage, job_id) if job.kind == "regenerate" else []
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
@@ -141,14 +126,10 @@ def resume_job(
     storage: StorageDep,
     client: RedisDep,
     enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
 ) -> Progress:
     """Re-enqueue every shard without a manifest, after recounting progress from storage."""
     try:
-        if jobs.load_job(storage, job_id).kind == "regenerate":
-            regeneration.resume(job_id, storage=storage, client=client, enqueue=enqueue_regenerate)
-        else:
-            jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
+        jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
     return _progress(job_id, settings, client)
