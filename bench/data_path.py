@@ -1,6 +1,6 @@
 """Worker data path: GB/s from received capture bytes to committed local storage (decode, validate,
 encode, sha256, create-only write), with the worker's writer pool, against torch.save of the same
-tensors to the same directory in the same process. DESIGN.md target: >= 3 GB/s per worker.
+tensors to the same directory in the same process. Target: >= 3 GB/s per worker.
 
     python -m bench.data_path [--tokens 2048] [--hidden 4096] [--samples 16] [--threads 4] [--dir DIR] [--json OUT]
 """

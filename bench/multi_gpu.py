@@ -41,9 +41,9 @@ from bench.capture import capture_model
 from bench.common import bench_job, in_processes, reference_server
 from services.trainer.train import latest_key
 from shared import layout
-from shared.kinds.extract import capture_and_write, describe_sample
-from shared.inference_client import InferenceClient
 from shared.capture_protocol import default_aux_layer_ids
+from shared.inference_client import InferenceClient
+from shared.kinds.extract import capture_and_write, describe_sample
 from shared.schemas import JobRecord, Manifest, SampleInput, utc_now
 from shared.shard_format import encode_sample
 from shared.storage import FileStorage
@@ -163,7 +163,7 @@ def run_trainer(job_id: str, work: Path, *, processes: int, grad_accum: int, arg
         "--standalone",
         f"--nproc_per_node={processes}",
         "-m",
-        "services.cli",
+        "eagle3",
         "train",
         "--job",
         job_id,

@@ -7,8 +7,8 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from typing import Any
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import redis
@@ -108,7 +108,9 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
             f"dataset {spec.dataset_url}: no usable sample ({len(rejected)} rejected, e.g. {first_rejection(rejected)})"
         )
 
-    spec = spec.model_copy(update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": target.aux_layer_ids})
+    spec = spec.model_copy(
+        update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": target.aux_layer_ids}
+    )
     plan = kind.plan(job_id, spec, target, accepted)
     if settings.storage_budget_bytes is not None and plan.projected_bytes > settings.storage_budget_bytes:
         raise OverBudget(

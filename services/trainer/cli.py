@@ -83,7 +83,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train an EAGLE-3 drafter from a job's committed shards",
-        description="Also runs under `torchrun --nproc_per_node N -m services.cli train ...` (DDP).",
+        description="Also runs under `torchrun --nproc_per_node N -m eagle3 train ...` (DDP).",
     )
     p.add_argument("--job", required=True, help="an extraction job, or a regenerate job with then_extract")
     p.add_argument("--follow", action="store_true", help="keep taking shards as they are committed until the job ends")

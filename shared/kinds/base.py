@@ -176,12 +176,12 @@ def check_served_model(job: JobRecord, info: ModelInfo, base_url: str, *, captur
             f"job {job.job_id} was planned for {job.model.path} {expected}, "
             f"but {base_url} serves {info.model_path} {served}"
         )
-    if capture and info.capture_aux_layer_ids is not None and sorted(info.capture_aux_layer_ids) != sorted(
-        job.aux_layer_ids
+    if (
+        capture
+        and info.capture_aux_layer_ids is not None
+        and sorted(info.capture_aux_layer_ids) != sorted(job.aux_layer_ids)
     ):
         raise ModelMismatch(
             f"job {job.job_id} captures layers {job.aux_layer_ids}, but {base_url} was launched to capture "
             f"{info.capture_aux_layer_ids} (EAGLE3_AUX_LAYER_IDS of the SGLang container)"
         )
-
-

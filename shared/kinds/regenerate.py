@@ -573,8 +573,12 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         turns_total = sum(m.role == "assistant" for c in conversations for m in c.messages)
         max_generated = turns_total * spec.max_new_tokens
         shards = [
-            RegenerationShardInput(job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members])
-            for shard_index, members in enumerate(plan_conversation_shards(len(conversations), spec.conversations_per_shard))
+            RegenerationShardInput(
+                job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members]
+            )
+            for shard_index, members in enumerate(
+                plan_conversation_shards(len(conversations), spec.conversations_per_shard)
+            )
         ]
         return JobPlan(
             shards=shards,

@@ -16,8 +16,6 @@ from celery import Celery
 from shared.queue import SHARD_QUEUE
 from tests.fixtures.processes import wait_until
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 INTERVAL_S = 0.3
 MAX_AGE_S = 2.0
 
@@ -25,7 +23,7 @@ MAX_AGE_S = 2.0
 def probe(path: Path, max_age_s: float = MAX_AGE_S) -> subprocess.CompletedProcess[str]:
     """The liveness probe exactly as the containers run it (a fresh `eagle3` process)."""
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "worker-probe", "--file", str(path), "--max-age", str(max_age_s)],
+        [sys.executable, "-m", "eagle3", "worker-probe", "--file", str(path), "--max-age", str(max_age_s)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -66,7 +64,7 @@ def worker(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     }
     log = (tmp_path / "worker.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "worker", "--name", name, "--concurrency", "1"],
+        [sys.executable, "-m", "eagle3", "worker", "--name", name, "--concurrency", "1"],
         env=env,
         cwd=tmp_path,  # no .env of the checkout
         stdout=log,

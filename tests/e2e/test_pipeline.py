@@ -14,22 +14,22 @@ import pytest
 import redis
 from celery import Celery
 
+from eagle3.local_stack import LocalStack
 from shared import layout, progress
 from shared.datasets import Conversation, read_dataset
 from shared.errors import InvalidSample
-from shared.shards import load_job, load_shard_input
-from shared.local_stack import LocalStack
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK
+from shared.queue import SHARD_QUEUE, task_name
 from shared.schemas import Manifest, Progress
 from shared.settings import Settings
 from shared.shard_format import decode_sample
+from shared.shards import load_job, load_shard_input
 from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 from shared.vocab import load_vocab_mapping
 from tests.datasets import BAD_LINES, write_dataset
+from tests.fixtures.processes import broker_drained, wait_until
 from tests.reference_checks import HFReference, assert_matches_layers
 
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.seaweedfs"]
 pytestmark = pytest.mark.slow
 
 
@@ -144,9 +144,9 @@ def test_duplicate_deliveries_commit_each_shard_once(deployment: Deployment, tmp
     job = deployment.submit(dataset, shard_token_budget=150)
     sender = Celery(broker=deployment.settings.redis_url)
     for shard_index in range(job["shards_total"]):  # every shard delivered a second time, concurrently
-        sender.send_task(EXTRACT_TASK, args=[job["job_id"], shard_index], queue=EXTRACT_QUEUE)
-    p = deployment.wait(job["job_id"])
-    time.sleep(2)  # let the duplicates finish too
+        sender.send_task(task_name("extract"), args=[job["job_id"], shard_index], queue=SHARD_QUEUE)
+    deployment.wait(job["job_id"])
+    wait_until(lambda: broker_drained(deployment.redis), timeout_s=120)  # the duplicates ran and were acked too
     p = progress.job_progress(deployment.redis, job["job_id"])
     manifests = deployment.manifests(job["job_id"])
     assert len(manifests) == job["shards_total"]
@@ -164,7 +164,9 @@ def test_killed_workers_shards_are_redelivered_and_committed_once(deployment: De
     job_id, storage = job["job_id"], deployment.storage
 
     record = load_job(storage, job_id)
-    shard_of = {s.sample_index: k for k in range(record.shards_total) for s in load_shard_input(storage, record, k).samples}
+    shard_of = {
+        s.sample_index: k for k in range(record.shards_total) for s in load_shard_input(storage, record, k).samples
+    }
 
     def mid_shard() -> bool:
         committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}

@@ -16,15 +16,15 @@ import redis
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from eagle3.local_stack import LocalStack
 from shared import layout, progress
 from shared.datasets import Conversation, InvalidRecord, read_dataset
-from shared.local_stack import LocalStack
 from shared.schemas import Progress
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
 from tests.datasets import BAD_LINES
+from tests.fixtures.processes import broker_drained
 
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.seaweedfs"]
 pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 12
@@ -232,7 +232,7 @@ def test_regenerated_dataset_is_the_targets_greedy_decoding_and_extraction_takes
     # Resumed when done: nothing is run again.
     manifests = {k: deployment.storage.get(k) for k in deployment.storage.list(layout.manifests_prefix(job["job_id"]))}
     assert deployment.api.post(f"/v1/jobs/{job['job_id']}/resume").status_code == 200
-    time.sleep(1)
+    assert broker_drained(deployment.redis)  # resume enqueues before it answers: nothing was sent
     assert {k: deployment.storage.get(k) for k in manifests} == manifests
     assert progress.job_progress(deployment.redis, job["job_id"]).tokens_done == p.tokens_done
 

@@ -8,16 +8,14 @@ import pytest
 import redis
 
 from shared import jobs, layout, progress, shards
-from shared.kinds import EXTRACT
 from shared.errors import ModelMismatch, ShardValidationError
 from shared.inference_client import InferenceClient
+from shared.kinds import EXTRACT
 from shared.schemas import JobSpec, Manifest
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
 from tests.datasets import write_dataset
 from tests.fixtures.faulty_inference import faulty_proxy
-
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.reference_server", "tests.fixtures.seaweedfs"]
 
 
 def plan(tmp_path: Path, model_dir: Path, redis_url: str, storage: Storage, **spec: object) -> jobs.JobRecord:

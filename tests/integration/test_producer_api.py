@@ -12,8 +12,6 @@ from services.producer.deps import get_enqueue
 from shared.settings import Settings
 from tests.datasets import BAD_LINES, write_dataset
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 class Api:
     def __init__(self, client: TestClient, enqueued: list[tuple[str, int]], settings: Settings) -> None:

@@ -15,8 +15,6 @@ from shared.schemas import (
 )
 from shared.storage import open_storage
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 def make_job(shards: int = 3, tokens_per_shard: int = 100) -> JobRecord:
     return JobRecord(

@@ -12,13 +12,11 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from services.cli import build_parser
-from services.producer import cli as producer_cli
+from eagle3 import jobs as jobs_cli
+from eagle3.cli import build_parser
 from services.producer.app import create_app
 from services.producer.deps import get_enqueue
 from shared import jobs, layout, progress, shards
-from shared.kinds import REGENERATE
-from shared.kinds import regenerate as regeneration
 from shared.capture_protocol import ModelInfo
 from shared.errors import (
     ConfigurationError,
@@ -27,13 +25,13 @@ from shared.errors import (
     ModelMismatch,
     SubmitError,
 )
+from shared.kinds import REGENERATE
+from shared.kinds import regenerate as regeneration
 from shared.schemas import JobRecord, JobSpec, RegenerationManifest
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 from tests.datasets import write_dataset
-
-pytest_plugins = ["tests.fixtures.redis_server"]
 
 CONVERSATIONS = [
     {
@@ -130,7 +128,11 @@ class Setup:
     def chain(self, spec: JobSpec) -> str:
         self.chained.append(spec)
         return jobs.submit(
-            spec, settings=self.settings, storage=self.storage, client=self.redis, enqueue=lambda kind, job_id, shard: None
+            spec,
+            settings=self.settings,
+            storage=self.storage,
+            client=self.redis,
+            enqueue=lambda kind, job_id, shard: None,
         ).job_id
 
     def context(self, inference: ScriptedInference, chain: regeneration.ChainSubmit | None) -> shards.ShardContext:
@@ -169,7 +171,11 @@ def test_bad_input_is_rejected_with_the_extractions_rules_and_messages(setup: Se
         "length_policy": "reject",
     }
     extraction = jobs.submit(
-        JobSpec(**spec), settings=setup.settings, storage=setup.storage, client=setup.redis, enqueue=lambda k, j, s: None
+        JobSpec(**spec),
+        settings=setup.settings,
+        storage=setup.storage,
+        client=setup.redis,
+        enqueue=lambda k, j, s: None,
     )
     regenerate = jobs.submit(
         JobSpec(**spec, kind="regenerate"),
@@ -428,9 +434,9 @@ def test_the_cli_submits_a_regenerate_job(
     setup: Setup, api: tuple[TestClient, list[tuple[str, str, int]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client, sent = api
-    monkeypatch.setattr(producer_cli, "_api", lambda settings: contextlib.nullcontext(client))
+    monkeypatch.setattr(jobs_cli, "api_client", lambda settings: contextlib.nullcontext(client))
     out = tmp_path / "regenerated.jsonl"
-    argv = ["regenerate", "--dataset", str(setup.dataset), "--out", str(out), "--model", str(setup.model_dir)]
+    argv = ["regenerate", str(setup.dataset), "--out", str(out), "--model", str(setup.model_dir)]
     args = build_parser().parse_args([*argv, "--max-new-tokens", "9", "--reasoning", "drop", "--then-extract"])
 
     args.func(args, setup.settings)

@@ -8,8 +8,8 @@ from pydantic import BaseModel, ValidationError
 
 from services.producer.deps import Authorized, EnqueueDep, RedisDep, SettingsDep, StorageDep
 from shared import jobs, layout, progress
-from shared.kinds import regenerate
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
+from shared.kinds import regenerate
 from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -20,7 +20,9 @@ class JobPublic(BaseModel):
     progress: Progress
 
 
-def _submit(spec: JobSpec, settings: SettingsDep, storage: StorageDep, client: RedisDep, enqueue: EnqueueDep) -> JobPublic:
+def _submit(
+    spec: JobSpec, settings: SettingsDep, storage: StorageDep, client: RedisDep, enqueue: EnqueueDep
+) -> JobPublic:
     try:
         job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=enqueue)
     except OverBudget as exc:
@@ -88,6 +90,12 @@ def get_job(job_id: str, settings: SettingsDep, storage: StorageDep, client: Red
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
     return JobPublic(job=job, progress=_progress(job_id, settings, client))
+
+
+@router.get("/{job_id}/progress")
+def get_progress(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
+    """Token-weighted progress alone (from Redis): what a live progress bar polls."""
+    return _progress(job_id, settings, client)
 
 
 @router.get("/{job_id}/rejected")

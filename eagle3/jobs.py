@@ -1,4 +1,5 @@
-"""`eagle3` job commands: submit, regenerate, status (with a live progress bar), jobs, cancel, resume, up, demo."""
+"""`eagle3` job commands, all through the producer API: submit, regenerate, status (with a live progress bar), jobs,
+cancel, resume; and `up`, the stack as local processes."""
 
 import argparse
 import json
@@ -9,35 +10,18 @@ from pathlib import Path
 from types import FrameType
 
 import httpx
-import redis
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared import progress
+from eagle3.api import api_client, check, list_progress, read_progress
+from eagle3.local_stack import LocalStack
 from shared.errors import Eagle3Error
-from shared.local_stack import LocalStack
 from shared.schemas import Progress as JobProgress
 from shared.settings import Settings
 
 console = Console()
 logger = logging.getLogger(__name__)
-
-
-def _api(settings: Settings) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-    return httpx.Client(base_url=settings.api_url, headers=headers, timeout=600)
-
-
-def _check(response: httpx.Response) -> dict:
-    if response.is_error:
-        detail = (
-            response.json().get("detail", response.text)
-            if "json" in response.headers.get("content-type", "")
-            else response.text
-        )
-        raise SystemExit(f"error {response.status_code}: {detail}")
-    return response.json()
 
 
 def _gb(n: float | None) -> str:
@@ -89,14 +73,11 @@ def progress_table(p: JobProgress) -> Table:
     return table
 
 
-def watch(job_id: str, settings: Settings, *, interval_s: float = 0.5, alive: LocalStack | None = None) -> JobProgress:
+def watch(job_id: str, api: httpx.Client, *, interval_s: float = 0.5, alive: LocalStack | None = None) -> JobProgress:
     """A live token-weighted progress bar until the job finishes."""
-    client = redis.Redis.from_url(settings.redis_url)
 
     def read() -> JobProgress:
-        return progress.job_progress(
-            client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
-        )
+        return read_progress(api, job_id)
 
     p = read()
     columns = [
@@ -142,21 +123,25 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
         }.items()
         if v is not None
     }
-    with _api(settings) as api:
-        if args.upload:
-            with open(args.dataset, "rb") as f:
-                job = _check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
-        else:
-            dataset = args.dataset if "://" in args.dataset else str(Path(args.dataset).resolve())
-            job = _check(api.post("/v1/jobs", json={**spec, "dataset_url": dataset}))
-    job_id = job["job"]["job_id"]
-    console.print(
-        f"submitted [bold]{job_id}[/]: {job['job']['samples_total']} samples "
-        f"({job['job']['samples_rejected']} rejected), {job['job']['tokens_total']} tokens, "
-        f"{job['job']['shards_total']} shards"
-    )
-    if args.watch:
-        console.print(progress_table(watch(job_id, settings)))
+    with api_client(settings) as api:
+        job = post_job(api, args.dataset, spec, upload=args.upload)
+        job_id = job["job"]["job_id"]
+        console.print(
+            f"submitted [bold]{job_id}[/]: {job['job']['samples_total']} samples "
+            f"({job['job']['samples_rejected']} rejected), {job['job']['tokens_total']} tokens, "
+            f"{job['job']['shards_total']} shards"
+        )
+        if args.watch:
+            console.print(progress_table(watch(job_id, api)))
+
+
+def post_job(api: httpx.Client, dataset: str, spec: dict, *, upload: bool) -> dict:
+    """Submit a job of any kind: the dataset uploaded, or its path or URL passed for the producer to read."""
+    if upload:
+        with open(dataset, "rb") as f:
+            return check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
+    url = dataset if "://" in dataset else str(Path(dataset).resolve())
+    return check(api.post("/v1/jobs", json={**spec, "dataset_url": url}))
 
 
 def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
@@ -184,14 +169,12 @@ def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
     }
     if args.out is not None:
         spec["output_url"] = args.out if "://" in args.out else str(Path(args.out).resolve())
-    with _api(settings) as api:
-        if args.upload:
-            with open(args.dataset, "rb") as f:
-                job = _check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
-        else:
-            dataset = args.dataset if "://" in args.dataset else str(Path(args.dataset).resolve())
-            job = _check(api.post("/v1/jobs", json={**spec, "dataset_url": dataset}))
-    record = job["job"]
+    with api_client(settings) as api:
+        job = post_job(api, args.dataset, spec, upload=args.upload)
+        watch_regeneration(job["job"], api, watch_it=args.watch)
+
+
+def watch_regeneration(record: dict, api: httpx.Client, *, watch_it: bool) -> None:
     plan = record["regeneration"]
     console.print(
         f"submitted [bold]{record['job_id']}[/]: {record['samples_total']} conversations "
@@ -203,25 +186,18 @@ def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
         console.print(f"then extraction job [bold]{plan['chained_job_id']}[/] on the regenerated conversations")
     if record["spec"]["then_train"]:
         console.print(f"train on it with: eagle3 train --job {record['job_id']} --follow")
-    if not args.watch:
+    if not watch_it:
         return
-    p = watch(record["job_id"], settings)
+    p = watch(record["job_id"], api)
     console.print(progress_table(p))
     chained = p.regeneration.chained_job_id if p.regeneration else None
     if chained is not None:
-        console.print(progress_table(watch(chained, settings)))
+        console.print(progress_table(watch(chained, api)))
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
-    if args.watch:
-        p = watch(args.job_id, settings)
-    else:
-        p = progress.job_progress(
-            redis.Redis.from_url(settings.redis_url),
-            args.job_id,
-            window_s=settings.progress_window_s,
-            budget_bytes=settings.storage_budget_bytes,
-        )
+    with api_client(settings) as api:
+        p = watch(args.job_id, api) if args.watch else read_progress(api, args.job_id)
     if args.json:
         print(p.model_dump_json(indent=2))
     else:
@@ -229,12 +205,12 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
-    client = redis.Redis.from_url(settings.redis_url)
     table = Table("job", "kind", "state", "tokens", "samples", "shards", "dead", "tokens/s")
-    for job_id in progress.list_jobs(client):
-        p = progress.job_progress(client, job_id, window_s=settings.progress_window_s)
+    with api_client(settings) as api:
+        jobs = list_progress(api)
+    for p in jobs:
         table.add_row(
-            job_id,
+            p.job_id,
             p.kind,
             p.state,
             f"{p.tokens_done}/{p.tokens_total}",
@@ -247,18 +223,18 @@ def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> None:
-    with _api(settings) as api:
-        console.print(_check(api.post(f"/v1/jobs/{args.job_id}/cancel"))["state"])
+    with api_client(settings) as api:
+        console.print(check(api.post(f"/v1/jobs/{args.job_id}/cancel"))["state"])
 
 
 def cmd_resume(args: argparse.Namespace, settings: Settings) -> None:
-    with _api(settings) as api:
-        _check(api.post(f"/v1/jobs/{args.job_id}/resume"))
-    if args.watch:
-        console.print(progress_table(watch(args.job_id, settings)))
+    with api_client(settings) as api:
+        check(api.post(f"/v1/jobs/{args.job_id}/resume"))
+        if args.watch:
+            console.print(progress_table(watch(args.job_id, api)))
 
 
-def _exit_on_sigterm() -> None:
+def exit_on_sigterm() -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
@@ -266,7 +242,7 @@ def _exit_on_sigterm() -> None:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
-    _exit_on_sigterm()
+    exit_on_sigterm()
     try:
         with LocalStack(settings, workers=args.workers, log_dir=settings.home / "logs") as stack:
             console.print(
@@ -302,7 +278,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         description="The extraction options (--max-length ... --shard-token-budget) apply to the chained extraction "
         "job (--then-extract).",
     )
-    p.add_argument("--dataset", required=True, help="JSONL path or URL (file://, s3://)")
+    p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
     p.add_argument("--out", help="also write the regenerated JSONL here (a path the workers can write, or s3://)")
     p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
     p.add_argument("--job-id")
