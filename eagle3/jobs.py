@@ -6,8 +6,11 @@ import json
 import logging
 import signal
 import time
+import types
+import typing
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -17,6 +20,7 @@ from rich.table import Table
 from eagle3.api import api_client, check, list_progress, read_progress
 from eagle3.local_stack import LocalStack
 from shared.errors import Eagle3Error
+from shared.schemas import JobSpec
 from shared.schemas import Progress as JobProgress
 from shared.settings import Settings
 
@@ -110,19 +114,47 @@ def watch(job_id: str, api: httpx.Client, *, interval_s: float = 0.5, alive: Loc
     return p
 
 
+# The job commands' options are JobSpec's fields (type, choices and help from the schema), so they cannot drift.
+EXTRACTION_OPTIONS = ("model_path", "job_id", "max_length", "length_policy", "draft_vocab_size", "shard_token_budget")
+REGENERATION_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "reasoning",
+    "conversations_per_shard",
+    "then_extract",
+    "then_train",
+)
+FLAGS = {"model_path": ("--model", "--model-path")}
+
+
+def add_spec_options(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    for name in names:
+        field = JobSpec.model_fields[name]
+        kind = field.annotation
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the option is X
+            (kind,) = [t for t in typing.get_args(kind) if t is not type(None)]
+        options: dict[str, Any] = {"dest": name, "default": None}
+        if kind is bool:
+            options["action"] = "store_true"
+        elif typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
+        else:
+            options["type"] = kind
+        default = "" if field.default in (None, False) else f" (default {field.default})"
+        options["help"] = (field.description or "") + default
+        parser.add_argument(*FLAGS.get(name, ("--" + name.replace("_", "-"),)), **options)
+
+
+def spec_of(args: argparse.Namespace, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:
+    given = {name: getattr(args, name) for name in names if getattr(args, name) not in (None, False)}
+    return fields | given
+
+
 def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
-    spec = {
-        k: v
-        for k, v in {
-            "model_path": args.model,
-            "job_id": args.job_id,
-            "max_length": args.max_length,
-            "length_policy": args.length_policy,
-            "draft_vocab_size": args.draft_vocab_size,
-            "shard_token_budget": args.shard_token_budget,
-        }.items()
-        if v is not None
-    }
+    spec = spec_of(args, EXTRACTION_OPTIONS)
     with api_client(settings) as api:
         job = post_job(api, args.dataset, spec, upload=args.upload)
         job_id = job["job"]["job_id"]
@@ -145,28 +177,7 @@ def post_job(api: httpx.Client, dataset: str, spec: dict, *, upload: bool) -> di
 
 
 def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
-    spec = {
-        k: v
-        for k, v in {
-            "kind": "regenerate",
-            "model_path": args.model,
-            "job_id": args.job_id,
-            "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "seed": args.seed,
-            "reasoning": args.reasoning,
-            "conversations_per_shard": args.conversations_per_shard,
-            "then_extract": args.then_extract or None,
-            "then_train": args.then_train or None,
-            "max_length": args.max_length,
-            "length_policy": args.length_policy,
-            "draft_vocab_size": args.draft_vocab_size,
-            "shard_token_budget": args.shard_token_budget,
-        }.items()
-        if v is not None
-    }
+    spec = spec_of(args, EXTRACTION_OPTIONS + REGENERATION_OPTIONS, kind="regenerate")
     if args.out is not None:
         spec["output_url"] = args.out if "://" in args.out else str(Path(args.out).resolve())
     with api_client(settings) as api:
@@ -262,12 +273,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="submit an extraction job to the producer API")
     p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
-    p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
-    p.add_argument("--job-id")
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--length-policy", choices=["truncate", "reject"])
-    p.add_argument("--draft-vocab-size", type=int)
-    p.add_argument("--shard-token-budget", type=int)
+    add_spec_options(p, EXTRACTION_OPTIONS)
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="show a live progress bar until the job finishes")
     p.set_defaults(func=cmd_submit)
@@ -280,21 +286,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
     p.add_argument("--out", help="also write the regenerated JSONL here (a path the workers can write, or s3://)")
-    p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
-    p.add_argument("--job-id")
-    p.add_argument("--max-new-tokens", type=int, help="per assistant turn (default 2048)")
-    p.add_argument("--temperature", type=float, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int, help="sampling seed (each turn derives its own)")
-    p.add_argument("--reasoning", choices=["keep", "drop"], help="keep (default) or drop <think>...</think> text")
-    p.add_argument("--conversations-per-shard", type=int, help="conversations per Celery task (default 64)")
-    p.add_argument("--then-extract", action="store_true", help="then extract the regenerated dataset (one job)")
-    p.add_argument("--then-train", action="store_true", help="mark for training; implies --then-extract")
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--length-policy", choices=["truncate", "reject"])
-    p.add_argument("--draft-vocab-size", type=int)
-    p.add_argument("--shard-token-budget", type=int)
+    add_spec_options(p, EXTRACTION_OPTIONS + REGENERATION_OPTIONS)
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
     p.set_defaults(func=cmd_regenerate)

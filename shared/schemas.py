@@ -22,10 +22,12 @@ class JobSpec(BaseModel):
     model_path: str | None = Field(
         default=None, description="local Hugging Face folder of the target; default EAGLE3_MODEL_PATH"
     )
-    job_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    max_length: int = Field(default=2048, ge=8)
-    length_policy: LengthPolicy = "truncate"
-    draft_vocab_size: int = Field(default=32000, ge=1)
+    job_id: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="default: job-<time>-<random>"
+    )
+    max_length: int = Field(default=2048, ge=8, description="tokens per sample")
+    length_policy: LengthPolicy = Field(default="truncate", description="a longer sample is truncated or rejected")
+    draft_vocab_size: int = Field(default=32000, ge=1, description="the drafter's vocabulary: the most frequent tokens")
     shard_token_budget: int = Field(default=16384, ge=1, description="prompt tokens per shard (one Celery task)")
     aux_layer_ids: list[int] | None = Field(default=None, min_length=3, max_length=3)
 

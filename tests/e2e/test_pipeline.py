@@ -5,60 +5,26 @@ import hashlib
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-import redis
 from celery import Celery
 
-from eagle3.local_stack import LocalStack
 from shared import layout, progress
 from shared.datasets import Conversation, read_dataset
 from shared.errors import InvalidSample
 from shared.queue import SHARD_QUEUE, task_name
-from shared.schemas import Manifest, Progress
-from shared.settings import Settings
 from shared.shard_format import decode_sample
 from shared.shards import load_job, load_shard_input
-from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 from shared.vocab import load_vocab_mapping
 from tests.datasets import BAD_LINES, write_dataset
+from tests.e2e.deployment import Deployment, deploy
 from tests.fixtures.processes import broker_drained, wait_until
 from tests.reference_checks import HFReference, assert_matches_layers
 
 pytestmark = pytest.mark.slow
-
-
-class Deployment:
-    def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
-        self.stack, self.settings, self.storage = stack, settings, storage
-        self.redis = redis.Redis.from_url(settings.redis_url)
-        self.api = httpx.Client(base_url=stack.api_url, timeout=120)
-
-    def submit(self, dataset: Path, **spec: object) -> dict:
-        response = self.api.post("/v1/jobs", json={"dataset_url": str(dataset), **spec})
-        assert response.status_code == 201, response.text
-        return response.json()["job"]
-
-    def wait(self, job_id: str, timeout_s: float = 180) -> Progress:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            p = progress.job_progress(self.redis, job_id)
-            if p.finished:
-                return p
-            self.stack.check_alive()
-            time.sleep(0.3)
-        raise TimeoutError(f"job {job_id} not finished: {progress.job_progress(self.redis, job_id)}")
-
-    def manifests(self, job_id: str) -> list[Manifest]:
-        return [
-            Manifest.model_validate_json(self.storage.get(k))
-            for k in self.storage.list(layout.manifests_prefix(job_id))
-        ]
 
 
 @pytest.fixture(scope="module")
@@ -66,26 +32,8 @@ def deployment(
     tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     home = tmp_path_factory.mktemp("home")
-    settings = Settings(
-        redis_url=redis_server,
-        storage_url=f"s3://{s3_server.bucket}/e2e-{uuid.uuid4().hex[:8]}",
-        s3_endpoint_url=s3_server.endpoint_url,
-        model_path=tiny_model_dir,
-        home=home,
-        inference_concurrency=2,
-        task_max_retries=1,
-        retry_backoff_max_s=1,
-        visibility_timeout_s=8,
-        redelivery_sweep_s=1,
-        inference_ready_timeout_s=2,
-        soft_shutdown_timeout_s=2,
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in s3_server.env().items():
-            if name.startswith("AWS_"):  # credentials for boto3 here and in every child process
-                mp.setenv(name, value)
-        with LocalStack(settings, workers=2, log_dir=home / "logs", pick_free_ports=True) as stack:
-            yield Deployment(stack, settings, open_storage(settings.storage_url, settings))
+    with deploy(s3_server, redis_server, tiny_model_dir, home, inference_concurrency=2, visibility_timeout_s=8) as d:
+        yield d
 
 
 def test_job_commits_exact_tensors_masks_and_manifests(
