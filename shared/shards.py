@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from shared import layout, progress
 from shared.errors import JobNotFound
-from shared.schemas import DeadLetter, JobRecord, utc_now
+from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage
 
@@ -137,6 +137,28 @@ def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext)
     )
     kind.after_commit(ctx, state, job)
     return _outcome(manifest, "committed", seconds)
+
+
+def dead_lettered_samples(kind: "JobKind", storage: Storage, job_id: str) -> list[FailedConversation]:
+    """Every sample of every shard that is dead-lettered and not committed since, with the shard's reason."""
+    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
+    failed = []
+    for key in storage.list(layout.dead_letter_prefix(job_id)):
+        letter = DeadLetter.model_validate_json(storage.get(key))
+        if letter.shard_index in committed:
+            continue
+        shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, letter.shard_index)))
+        failed += [
+            FailedConversation(
+                sample_index=item.sample_index,
+                sample_id=item.sample_id,
+                line=item.line,
+                reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
+                shard_index=letter.shard_index,
+            )
+            for item in kind.items(shard)
+        ]
+    return failed
 
 
 def dead_letter(

@@ -24,9 +24,9 @@ from shared.capture_protocol import ModelInfo
 from shared.datasets import Conversation
 from shared.errors import Eagle3Error, ModelMismatch
 from shared.queue import task_name
-from shared.schemas import JobRecord, JobSpec, ModelRecord
+from shared.schemas import FailedConversation, JobRecord, JobSpec, ModelRecord
 from shared.settings import Settings
-from shared.shards import ShardContext
+from shared.shards import ShardContext, dead_lettered_samples
 from shared.storage import Storage
 from shared.tokenization import ChatTokenizer
 
@@ -156,6 +156,10 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
         """Shards to enqueue again besides the uncommitted ones (e.g. to redo after_commit)."""
         return []
+
+    def failed(self, storage: Storage, job_id: str) -> list[FailedConversation]:
+        """Every sample of the job that will not be in its output, with the reason."""
+        return sorted(dead_lettered_samples(self, storage, job_id), key=lambda f: f.sample_index)
 
     def shard_size(self, shard: InputT) -> tuple[int, int]:
         """(samples, tokens) a dead-lettered shard takes from the job's progress."""

@@ -47,7 +47,6 @@ from shared.schemas import (
     ConversationEntry,
     ConversationInput,
     ConversationResult,
-    DeadLetter,
     FailedConversation,
     JobRecord,
     JobSpec,
@@ -59,7 +58,7 @@ from shared.schemas import (
     utc_now,
 )
 from shared.settings import Settings
-from shared.shards import ShardContext, load_job
+from shared.shards import ShardContext, dead_lettered_samples, load_job
 from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 
@@ -365,22 +364,7 @@ def failed_conversations(storage: Storage, job_id: str) -> list[FailedConversati
         for c in m.conversations
         if c.error is not None
     ]
-    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
-    for key in storage.list(layout.dead_letter_prefix(job_id)):
-        letter = DeadLetter.model_validate_json(storage.get(key))
-        if letter.shard_index in committed:
-            continue
-        shard = RegenerationShardInput.model_validate_json(storage.get(layout.shard_input(job_id, letter.shard_index)))
-        for c in shard.conversations:
-            failed.append(
-                FailedConversation(
-                    sample_index=c.sample_index,
-                    sample_id=c.sample_id,
-                    line=c.line,
-                    reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
-                    shard_index=letter.shard_index,
-                )
-            )
+    failed += dead_lettered_samples(Regenerate(), storage, job_id)
     return sorted(failed, key=lambda f: f.sample_index)
 
 
@@ -715,6 +699,9 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         progress.record_finalize_error(ctx.redis, job_id, reason)
         logger.error("job=%s: assembling the regenerated dataset failed: %s", job_id, reason)
         return True
+
+    def failed(self, storage: Storage, job_id: str) -> list[FailedConversation]:
+        return failed_conversations(storage, job_id)
 
     def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
         if client.hdel(progress.job_key(job.job_id), "finalize_error"):

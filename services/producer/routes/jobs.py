@@ -9,7 +9,7 @@ from pydantic import BaseModel, ValidationError
 from services.producer.deps import Authorized, EnqueueDep, RedisDep, SettingsDep, StorageDep
 from shared import jobs, layout, progress
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
-from shared.kinds import regenerate
+from shared.kinds import kind_of
 from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -109,12 +109,12 @@ def get_rejected(job_id: str, storage: StorageDep) -> list[RejectedSample]:
 
 @router.get("/{job_id}/failed")
 def get_failed(job_id: str, storage: StorageDep) -> list[FailedConversation]:
-    """A regenerate job's conversations that are not in its output, each with its reason."""
+    """The samples (a regenerate job: conversations) that will not be in the job's output, each with its reason."""
     try:
         job = jobs.load_job(storage, job_id)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    return regenerate.failed_conversations(storage, job_id) if job.kind == "regenerate" else []
+    return kind_of(job.kind).failed(storage, job_id)
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
