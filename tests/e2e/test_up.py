@@ -13,7 +13,6 @@ import pytest
 from tests.datasets import write_dataset
 from tests.fixtures.processes import free_port, wait_until
 
-pytest_plugins = ["tests.fixtures.redis_server"]
 pytestmark = pytest.mark.slow
 
 
@@ -33,7 +32,7 @@ def test_eagle3_up_hands_its_session_token_to_the_cli(tmp_path: Path, tiny_model
     token_file = home / "api-token"
     with (tmp_path / "up.log").open("w") as log:
         up = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--workers", "1"],
+            [sys.executable, "-m", "eagle3", "up", "--workers", "1"],
             env=env,
             cwd=tmp_path,
             stdout=log,
@@ -47,7 +46,7 @@ def test_eagle3_up_hands_its_session_token_to_the_cli(tmp_path: Path, tiny_model
 
         dataset, _ = write_dataset(home / "data" / "chats.jsonl", with_bad_lines=False)  # the stack's data folder
         submit = subprocess.run(
-            [sys.executable, "-m", "services.cli", "submit", str(dataset), "--watch", "--job-id", "up-1"],
+            [sys.executable, "-m", "eagle3", "submit", str(dataset), "--watch", "--job-id", "up-1"],
             env=env,
             cwd=tmp_path,
             capture_output=True,
@@ -59,7 +58,7 @@ def test_eagle3_up_hands_its_session_token_to_the_cli(tmp_path: Path, tiny_model
 
         outside, _ = write_dataset(tmp_path / "elsewhere.jsonl", with_bad_lines=False)
         refused = subprocess.run(
-            [sys.executable, "-m", "services.cli", "submit", str(outside)],
+            [sys.executable, "-m", "eagle3", "submit", str(outside)],
             env=env,
             cwd=tmp_path,
             capture_output=True,

@@ -13,8 +13,6 @@ from services.producer.deps import get_enqueue
 from shared.settings import Settings
 from tests.datasets import BAD_LINES, write_dataset
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 API_TOKEN = "producer-api-test-token-0123456789"
 
 
@@ -37,7 +35,7 @@ def api_settings(tmp_path: Path, model_dir: Path, **fields: object) -> Settings:
 def make_api(settings: Settings) -> Iterator[Api]:
     enqueued: list[tuple[str, int]] = []
     app = create_app(settings)
-    app.dependency_overrides[get_enqueue] = lambda: lambda job_id, shard: enqueued.append((job_id, shard))
+    app.dependency_overrides[get_enqueue] = lambda: lambda kind, job_id, shard: enqueued.append((job_id, shard))
     with TestClient(app, headers={"Authorization": f"Bearer {API_TOKEN}"}) as client:
         yield Api(client, enqueued, settings)
 

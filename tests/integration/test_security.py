@@ -17,15 +17,13 @@ import redis
 from fastapi.testclient import TestClient
 
 from services.producer.app import create_app
-from services.producer.deps import get_enqueue, get_enqueue_regenerate
+from services.producer.deps import get_enqueue
 from shared import access
 from shared.errors import ConfigurationError
 from shared.settings import Settings
 from tests.datasets import write_dataset
 from tests.deploy.tools import REPO, compose, run
 from tests.fixtures.processes import free_port, wait_until
-
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.seaweedfs"]
 
 TOKEN = "integration-test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -67,9 +65,7 @@ def make_settings(root: Path, redis_url: str, model_dir: Path, **fields: object)
 def serve(settings: Settings, root: Path) -> Iterator[Api]:
     enqueued: list[tuple[str, int]] = []
     app = create_app(settings)
-    collect = lambda: lambda job_id, shard: enqueued.append((job_id, shard))  # noqa: E731
-    app.dependency_overrides[get_enqueue] = collect
-    app.dependency_overrides[get_enqueue_regenerate] = collect
+    app.dependency_overrides[get_enqueue] = lambda: lambda kind, job_id, shard: enqueued.append((job_id, shard))
     with TestClient(app) as client:
         yield Api(client, enqueued, settings, root)
 
@@ -147,6 +143,8 @@ def test_progress_numbers_stay_open_without_paths(api: Api, job: dict) -> None:
     listed = api.client.get("/v1/jobs")
     assert listed.status_code == 200 and [p["job_id"] for p in listed.json()] == [job["job_id"]]
     assert str(api.root) not in listed.text
+    one = api.client.get(f"/v1/jobs/{job['job_id']}/progress")
+    assert one.status_code == 200 and one.json()["tokens_total"] == job["tokens_total"]
     for path in ("/health", "/metrics", "/dashboard", "/openapi.json"):
         assert api.client.get(path).status_code == 200, path
 
@@ -167,6 +165,7 @@ def test_the_app_is_not_built_open(redis_url: str, tmp_path: Path, tiny_model_di
         create_app(make_settings(tmp_path, redis_url, tiny_model_dir, api_token=None))
 
 
+@pytest.mark.slow  # a process per case
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -183,7 +182,7 @@ def test_the_app_is_not_built_open(redis_url: str, tmp_path: Path, tiny_model_di
 def test_eagle3_api_refuses_to_start_open(tmp_path: Path, env: dict[str, str], message: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("EAGLE3_")}
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "api"],
+        [sys.executable, "-m", "eagle3", "api"],
         env={**clean, "EAGLE3_HOME": str(tmp_path), "EAGLE3_API_PORT": str(free_port()), **env},
         cwd=tmp_path,  # no .env of the checkout
         capture_output=True,
@@ -387,6 +386,7 @@ def test_a_job_id_in_the_path_that_cannot_exist_is_a_404(api: Api, job: dict, re
     keys = set(redis.Redis.from_url(redis_url).keys())
     for method, path in [
         ("GET", f"/v1/jobs/{raw}"),
+        ("GET", f"/v1/jobs/{raw}/progress"),
         ("GET", f"/v1/jobs/{raw}/rejected"),
         ("GET", f"/v1/jobs/{raw}/failed"),
         ("POST", f"/v1/jobs/{raw}/cancel"),
@@ -508,7 +508,7 @@ def api_process(
     log = root / "api.log"
     with log.open("wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "api"],
+            [sys.executable, "-m", "eagle3", "api"],
             env={**env, "EAGLE3_API_TOKEN": TOKEN},
             cwd=root,
             stdout=out,
@@ -520,15 +520,17 @@ def api_process(
     finally:
         server.terminate()
         server.wait(timeout=30)
+        redis.Redis.from_url(redis_server).flushdb()  # the jobs it took, as the redis_url fixture does
     assert TOKEN not in log.read_text(), "the API token in the producer's log"
 
 
 def eagle3(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "eagle3", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300
     )
 
 
+@pytest.mark.slow  # a producer process and CLI processes
 def test_the_cli_sends_the_token_and_shows_refusals(
     api_process: tuple[dict[str, str], Path], tiny_model_dir: Path
 ) -> None:
