@@ -4,6 +4,7 @@ import argparse
 import logging
 import sys
 
+from services import doctor_cli
 from services.producer import cli as producer_cli
 from services.producer import demo
 from services.trainer import cli as trainer_cli
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     producer_cli.add_parsers(sub)
     demo.add_parsers(sub)
     trainer_cli.add_parsers(sub)
+    doctor_cli.add_parsers(sub)
     return parser
 
 

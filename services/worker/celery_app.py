@@ -1,7 +1,8 @@
 """The Celery app, configured once from the settings with the delivery semantics of DESIGN.md."""
 
-from celery import Celery
+from celery import Celery, signals
 
+from shared import cluster
 from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK, REGENERATE_TASK
 from shared.settings import get_settings
 
@@ -33,3 +34,5 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
+app.steps["consumer"].add("services.worker.presence:WorkerPresence")  # worker registry and shard metrics
+signals.before_task_publish.connect(cluster.stamp_sent_time)  # the queue's oldest-message age
