@@ -128,12 +128,22 @@ def check_inference(url: str, target: Target, settings: Settings) -> tuple[Check
             client.wait_ready(timeout_s=min(settings.inference_ready_timeout_s, 30))
             info = client.model_info()
         found.append(info)
-        served = {"hidden_size": info.hidden_size, "num_hidden_layers": info.num_hidden_layers, "vocab_size": info.vocab_size}
-        wanted = {"hidden_size": target.hidden_size, "num_hidden_layers": target.num_hidden_layers, "vocab_size": target.vocab_size}
+        served = {
+            "hidden_size": info.hidden_size,
+            "num_hidden_layers": info.num_hidden_layers,
+            "vocab_size": info.vocab_size,
+        }
+        wanted = {
+            "hidden_size": target.hidden_size,
+            "num_hidden_layers": target.num_hidden_layers,
+            "vocab_size": target.vocab_size,
+        }
         wrong = [f"{k} {served[k]} (target {wanted[k]})" for k in served if served[k] != wanted[k]]
         if wrong:
             return "fail", f"{url} serves {info.model_path} with {', '.join(wrong)}"
-        if info.capture_aux_layer_ids is not None and sorted(info.capture_aux_layer_ids) != sorted(target.aux_layer_ids):
+        if info.capture_aux_layer_ids is not None and sorted(info.capture_aux_layer_ids) != sorted(
+            target.aux_layer_ids
+        ):
             return "fail", (
                 f"{url} was launched to capture layers {info.capture_aux_layer_ids}, the run wants "
                 f"{target.aux_layer_ids} (EAGLE3_AUX_LAYER_IDS of the SGLang container)"
@@ -197,7 +207,9 @@ def check_budget(dataset_url: str | None, target: Target, settings: Settings) ->
             detail += f"; {name} {_size(limit)}, headroom {_size(limit - projected)}"
         if any(projected > limit for _, limit in limits):
             return "fail", detail
-        return ("pass" if limits else "warn"), detail + ("" if limits else "; no budget set (EAGLE3_STORAGE_BUDGET_BYTES)")
+        return ("pass" if limits else "warn"), detail + (
+            "" if limits else "; no budget set (EAGLE3_STORAGE_BUDGET_BYTES)"
+        )
 
     return _timed("storage budget", run)
 
@@ -339,10 +351,8 @@ def _redacted(url: str) -> str:
 
 def _size(n: float) -> str:
     """Decimal units, as the dashboard shows them."""
-    if abs(n) < 1000:
-        return f"{n:,.0f} B"
-    for unit in ("kB", "MB", "GB", "TB"):
-        n /= 1000
-        if abs(n) < 1000:
-            break
-    return f"{n:,.2f} {unit}"
+    units = ("B", "kB", "MB", "GB", "TB")
+    scale = 0
+    while abs(n) >= 1000 and scale < len(units) - 1:
+        n, scale = n / 1000, scale + 1
+    return f"{n:,.0f} B" if scale == 0 else f"{n:,.2f} {units[scale]}"

@@ -62,7 +62,11 @@ def job_timeline(client: redis.Redis, job_id: str, *, points: int = 120, now: fl
             dead[i] += 1
     timeline, total_tokens, total_committed, total_dead = [], 0, 0, 0
     for i in range(points):
-        total_tokens, total_committed, total_dead = total_tokens + tokens[i], total_committed + committed[i], total_dead + dead[i]
+        total_tokens, total_committed, total_dead = (
+            total_tokens + tokens[i],
+            total_committed + committed[i],
+            total_dead + dead[i],
+        )
         timeline.append(
             TimelinePoint(
                 ts=started + (i + 1) * interval,
@@ -101,9 +105,7 @@ def last_commit_ts(client: redis.Redis, job_id: str) -> float | None:
         end = "(" + entries[-1][0].decode()
 
 
-def job_activity(
-    client: redis.Redis, p: Progress, *, stall_after_s: float, now: float | None = None
-) -> JobActivity:
+def job_activity(client: redis.Redis, p: Progress, *, stall_after_s: float, now: float | None = None) -> JobActivity:
     now = time.time() if now is None else now
     last = last_commit_ts(client, p.job_id)
     since = now - (last if last is not None else float(progress.require_job(client, p.job_id)["created_ts"]))

@@ -89,7 +89,9 @@ def test_jobs_list_shows_the_apis_numbers(ops_stack: OpsStack, ran_jobs: RanJobs
     assert colours[ran_jobs.clean] != colours[ran_jobs.dead], "completed and completed_with_errors look the same"
 
 
-def test_workers_panel_and_queue_match_the_cluster(ops_stack: OpsStack, ran_jobs: RanJobs, page: "playwright_sync.Page") -> None:
+def test_workers_panel_and_queue_match_the_cluster(
+    ops_stack: OpsStack, ran_jobs: RanJobs, page: "playwright_sync.Page"
+) -> None:
     page.goto(f"{ops_stack.stack.api_url}/dashboard")
     expect(page.locator('#workers tr[data-alive="true"]')).to_have_count(2, timeout=UI_TIMEOUT_MS)
     cluster = ops_stack.api.get("/v1/cluster").json()
@@ -179,7 +181,9 @@ def test_stale_banner_appears_when_the_api_stops_answering_and_goes_when_it_is_b
     expect(banner).to_be_hidden(timeout=UI_TIMEOUT_MS)
 
 
-def test_jobs_list_fits_a_1024_px_window(ops_stack: OpsStack, ran_jobs: RanJobs, browser: "playwright_sync.Browser") -> None:
+def test_jobs_list_fits_a_1024_px_window(
+    ops_stack: OpsStack, ran_jobs: RanJobs, browser: "playwright_sync.Browser"
+) -> None:
     context = browser.new_context(viewport={"width": 1024, "height": 768})
     try:
         page = context.new_page()
@@ -194,7 +198,9 @@ def test_jobs_list_fits_a_1024_px_window(ops_stack: OpsStack, ran_jobs: RanJobs,
         context.close()
 
 
-def test_api_docs_render_with_every_non_local_request_blocked(ops_stack: OpsStack, page: "playwright_sync.Page") -> None:
+def test_api_docs_render_with_every_non_local_request_blocked(
+    ops_stack: OpsStack, page: "playwright_sync.Page"
+) -> None:
     api_host = urlparse(ops_stack.stack.api_url).netloc
     outside: list[str] = []
 
@@ -237,4 +243,3 @@ def _no_leftover_pause(ops_stack: OpsStack) -> Iterator[None]:
     yield
     ops_stack.resume("worker-")
     ops_stack.resume("producer")
-

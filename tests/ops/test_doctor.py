@@ -53,7 +53,9 @@ def test_redis_down_fails_with_the_reason_and_skips_end_to_end(ops_stack: OpsSta
 
 def test_wrong_layer_ids_fail_with_the_valid_range(ops_stack: OpsStack) -> None:
     checks = _by_name(
-        doctor.run_checks(_settings(ops_stack), model_path=ops_stack.model_dir, aux_layer_ids=[1, 3, 9], end_to_end=False)
+        doctor.run_checks(
+            _settings(ops_stack), model_path=ops_stack.model_dir, aux_layer_ids=[1, 3, 9], end_to_end=False
+        )
     )
     assert checks["layer ids"].status == "fail"
     assert "[9] outside the target's decoder layers [0, 8)" in checks["layer ids"].detail
@@ -80,7 +82,16 @@ def test_budget_smaller_than_the_projection_fails(ops_stack: OpsStack) -> None:
 def test_cli_prints_the_table_and_exits_non_zero_on_failure(ops_stack: OpsStack) -> None:
     env = {**ops_stack.stack.env, "EAGLE3_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "COLUMNS": "200"}
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "doctor", "--model", str(ops_stack.model_dir), "--aux-layer-ids", "1,3,9"],
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "doctor",
+            "--model",
+            str(ops_stack.model_dir),
+            "--aux-layer-ids",
+            "1,3,9",
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -40,10 +40,13 @@ function duration(s) {
 }
 
 function clock(tsSeconds) {
+  // Today: the time; within a week: weekday and time; later: the date.
   const d = new Date(tsSeconds * 1000);
-  const sameDay = d.toDateString() === new Date().toDateString();
   const time = d.toLocaleTimeString("en-GB", { hour: "2-digit", minute: "2-digit" });
-  return sameDay ? time : d.toLocaleDateString("en-GB", { weekday: "short", day: "numeric", month: "short" }) + " " + time;
+  const days = Math.abs(tsSeconds * 1000 - Date.now()) / 86400e3;
+  if (d.toDateString() === new Date().toDateString()) return time;
+  if (days < 6) return d.toLocaleDateString("en-GB", { weekday: "short" }) + " " + time;
+  return d.toLocaleDateString("en-GB", { day: "numeric", month: "short" }) + " " + time;
 }
 
 function percent(part, whole) {

@@ -5,21 +5,22 @@ function jobRow({ progress: p, activity: a }, serverTs) {
   const done = percent(p.tokens_done, p.tokens_total);
   const failed = percent(p.tokens_failed, p.tokens_total);
   const link = `/dashboard/jobs/${encodeURIComponent(p.job_id)}`;
+  const red = (n) => (n ? "bad" : "");
   return `<tr data-job-id="${escapeHtml(p.job_id)}" data-state="${p.state}">
-    <td class="left wrap"><a class="mono" href="${link}">${escapeHtml(p.job_id)}</a>
-      <div class="sub"><span class="kind" data-field="kind">${p.kind}</span> created ${clock(Date.parse(p.created_at) / 1000)}</div></td>
-    <td class="left">${stateBadge(p.state)}${stalledFlag(a)}</td>
-    <td><span class="bar" title="${done.toFixed(1)}% committed, ${failed.toFixed(1)}% failed"><span class="failed" style="width:${failed}%"></span><span style="width:${done}%"></span></span> ${done.toFixed(1)}%
-      <div class="sub" data-field="tokens_done" data-value="${p.tokens_done}" title="${exact(p.tokens_done)} of ${exact(p.tokens_total)} tokens">${compact(p.tokens_done)} / ${compact(p.tokens_total)} tokens</div></td>
+    <td class="left job"><a class="mono" href="${link}">${escapeHtml(p.job_id)}</a>
+      <div class="sub"><span class="kind" data-field="kind">${p.kind}</span> ${clock(Date.parse(p.created_at) / 1000)}</div></td>
+    <td class="left state-cell">${stateBadge(p.state)}${stalledFlag(a)}</td>
+    <td>${done.toFixed(1)}%<br><span class="bar" title="${done.toFixed(1)}% committed, ${failed.toFixed(1)}% failed"><span class="failed" style="width:${failed}%"></span><span style="width:${done}%"></span></span>
+      <div class="sub" data-field="tokens_done" data-value="${p.tokens_done}" title="${exact(p.tokens_done)} of ${exact(p.tokens_total)} tokens">${compact(p.tokens_done)} / ${compact(p.tokens_total)}</div></td>
     <td data-field="tokens_per_second">${rateCell(p, a)}</td>
-    <td data-field="eta">${etaCell(p, serverTs)}</td>
-    <td data-field="elapsed">${duration(p.elapsed_seconds)}</td>
+    <td data-field="eta">${etaCell(p, serverTs)}<div class="sub" data-field="elapsed">${duration(p.elapsed_seconds)} elapsed</div></td>
     <td data-field="samples_done" data-value="${p.samples_done}" title="${exact(p.samples_done)} of ${exact(p.samples_total)} samples committed">${compact(p.samples_done)} / ${compact(p.samples_total)}
-      <div class="sub"><span class="${p.samples_failed ? "bad" : ""}" data-field="samples_failed" data-value="${p.samples_failed}">${compact(p.samples_failed)} failed</span> · <span class="${p.samples_rejected ? "warn" : ""}" data-field="samples_rejected" data-value="${p.samples_rejected}">${compact(p.samples_rejected)} rejected</span></div></td>
-    <td data-field="shards_committed" data-value="${p.shards_committed}">${exact(p.shards_committed)} / ${exact(p.shards_total)}
-      <div class="sub ${p.shards_dead_lettered ? "bad" : ""}" data-field="shards_dead_lettered" data-value="${p.shards_dead_lettered}">${exact(p.shards_dead_lettered)} dead</div></td>
-    <td data-field="bytes_stored" data-value="${p.bytes_stored}" title="${exact(p.bytes_stored)} bytes">${bytes(p.bytes_stored)}
-      <div class="sub">of ${bytes(p.projected_total_bytes)} · ${compact(p.bytes_per_token)} B/token</div></td>
+      <div class="sub ${red(p.samples_failed)}" data-field="samples_failed" data-value="${p.samples_failed}">${compact(p.samples_failed)} failed</div>
+      <div class="sub ${p.samples_rejected ? "warn" : ""}" data-field="samples_rejected" data-value="${p.samples_rejected}">${compact(p.samples_rejected)} rejected</div></td>
+    <td data-field="shards_committed" data-value="${p.shards_committed}">${compact(p.shards_committed)} / ${compact(p.shards_total)}
+      <div class="sub ${red(p.shards_dead_lettered)}" data-field="shards_dead_lettered" data-value="${p.shards_dead_lettered}">${compact(p.shards_dead_lettered)} dead</div></td>
+    <td data-field="bytes_stored" data-value="${p.bytes_stored}" title="${exact(p.bytes_stored)} bytes, ${exact(p.bytes_per_token)} bytes/token">${bytes(p.bytes_stored)}
+      <div class="sub">of ${bytes(p.projected_total_bytes)}</div><div class="sub">${compact(p.bytes_per_token)} B/token</div></td>
     <td data-field="headroom">${headroomCell(p)}</td>
   </tr>`;
 }
@@ -55,7 +56,7 @@ async function refresh() {
   const alive = overview.workers.filter((w) => w.alive).length;
   document.getElementById("jobs").innerHTML = overview.jobs.length
     ? overview.jobs.map((j) => jobRow(j, overview.server_ts)).join("")
-    : '<tr><td class="left muted" colspan="10">no job yet: submit one with <span class="mono">eagle3 submit DATA.jsonl</span></td></tr>';
+    : '<tr><td class="left muted" colspan="9">no job yet: submit one with <span class="mono">eagle3 submit DATA.jsonl</span></td></tr>';
   document.getElementById("job-count").textContent = `${overview.jobs.length}, stalled after ${duration(overview.stall_after_s)} without a commit`;
   document.getElementById("workers").innerHTML = overview.workers.length
     ? overview.workers.map((w) => workerRow(w, overview.server_ts)).join("")
