@@ -10,6 +10,7 @@ from shared import progress
 from shared.schemas import Progress
 
 _PAGE = 5000  # stream entries read per round trip
+SMOOTHING_INTERVALS = 5  # a point's rate covers this many intervals: shards commit in bursts, not per interval
 
 
 class TimelinePoint(BaseModel):
@@ -17,7 +18,8 @@ class TimelinePoint(BaseModel):
     tokens_done: int  # committed by then
     shards_committed: int
     shards_dead_lettered: int
-    tokens_per_second: float  # over this interval
+    tokens_in_interval: int
+    tokens_per_second: float  # over the last SMOOTHING_INTERVALS intervals up to this one
 
 
 class JobTimeline(BaseModel):
@@ -62,18 +64,18 @@ def job_timeline(client: redis.Redis, job_id: str, *, points: int = 120, now: fl
             dead[i] += 1
     timeline, total_tokens, total_committed, total_dead = [], 0, 0, 0
     for i in range(points):
-        total_tokens, total_committed, total_dead = (
-            total_tokens + tokens[i],
-            total_committed + committed[i],
-            total_dead + dead[i],
-        )
+        total_tokens += tokens[i]
+        total_committed += committed[i]
+        total_dead += dead[i]
+        recent = tokens[max(0, i - SMOOTHING_INTERVALS + 1) : i + 1]
         timeline.append(
             TimelinePoint(
                 ts=started + (i + 1) * interval,
                 tokens_done=total_tokens,
                 shards_committed=total_committed,
                 shards_dead_lettered=total_dead,
-                tokens_per_second=tokens[i] / interval,
+                tokens_in_interval=tokens[i],
+                tokens_per_second=sum(recent) / (len(recent) * interval),
             )
         )
     return JobTimeline(job_id=job_id, started_ts=started, interval_s=interval, points=timeline)

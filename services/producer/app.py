@@ -19,9 +19,11 @@ STATIC = Path(__file__).parent / "static"
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    # /docs and /redoc serve Swagger UI and ReDoc from the fastapi-offline wheel, not a CDN: clusters are often
-    # air-gapped.
-    app = FastAPIOffline(title="EAGLE-3 hidden-state factory", version=shared.__version__, static_url="/docs/static")
+    # /docs serves Swagger UI from the fastapi-offline wheel, not a CDN: clusters are often air-gapped. No ReDoc:
+    # its bundle still fetches a logo from its CDN.
+    app = FastAPIOffline(
+        title="EAGLE-3 hidden-state factory", version=shared.__version__, static_url="/docs/static", redoc_url=None
+    )
     app.include_router(jobs.router)
     app.include_router(ops.router)
     app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")

@@ -83,6 +83,7 @@ def ops_stack(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> It
         home=home,
         inference_concurrency=2,
         stall_after_s=STALL_AFTER_S,
+        storage_budget_bytes=10**9,  # per job: the dashboard shows each job's headroom
     )
     client = redis.Redis.from_url(settings.redis_url)
     client.flushdb()

@@ -75,7 +75,7 @@ def test_jobs_list_shows_the_apis_numbers(ops_stack: OpsStack, ran_jobs: RanJobs
         assert _value(row, "bytes_stored") == p["bytes_stored"]
         assert row.locator('[data-field="kind"]').inner_text() == p["kind"]
         if p["state"] in ("completed", "completed_with_errors"):
-            assert row.locator('[data-field="eta"]').inner_text() == "done"
+            assert row.locator('[data-field="eta"]').inner_text().startswith("done")
             assert row.locator('[data-field="tokens_per_second"]').inner_text().startswith("avg ")
 
     clean = page.locator(f'tr[data-job-id="{ran_jobs.clean}"]')
@@ -102,7 +102,7 @@ def test_workers_panel_and_queue_match_the_cluster(
 
 
 def test_job_page_drills_down_to_settings_charts_rejected_lines_and_trainer_curves(
-    ops_stack: OpsStack, ran_jobs: RanJobs, page: "playwright_sync.Page", tmp_path: Path
+    ops_stack: OpsStack, ran_jobs: RanJobs, page: "playwright_sync.Page"
 ) -> None:
     page.goto(f"{ops_stack.stack.api_url}/dashboard")
     page.locator(f'tr[data-job-id="{ran_jobs.clean}"] a').first.click()
@@ -125,7 +125,6 @@ def test_job_page_drills_down_to_settings_charts_rejected_lines_and_trainer_curv
     expect(run).to_contain_text("step 2")
     curves = page.frame_locator("iframe.curves")
     expect(curves.locator("svg").first).to_be_visible(timeout=UI_TIMEOUT_MS)
-    _screenshot(page, "dashboard-job-finished.png", tmp_path)
 
 
 def test_job_page_lists_dead_letters_with_their_reasons(
@@ -181,7 +180,7 @@ def test_stale_banner_appears_when_the_api_stops_answering_and_goes_when_it_is_b
     expect(banner).to_be_hidden(timeout=UI_TIMEOUT_MS)
 
 
-def test_jobs_list_fits_a_1024_px_window(
+def test_jobs_list_and_job_page_fit_a_1024_px_window(
     ops_stack: OpsStack, ran_jobs: RanJobs, browser: "playwright_sync.Browser"
 ) -> None:
     context = browser.new_context(viewport={"width": 1024, "height": 768})
@@ -194,6 +193,9 @@ def test_jobs_list_fits_a_1024_px_window(
         )
         assert overflow[0] <= overflow[1], f"the jobs table is {overflow[0]} px wide in a {overflow[1]} px column"
         assert page.evaluate("() => document.documentElement.scrollWidth") <= 1024
+        page.goto(f"{ops_stack.stack.api_url}/dashboard/jobs/{ran_jobs.clean}")
+        expect(page.locator("#rejected tbody tr").first).to_be_visible(timeout=UI_TIMEOUT_MS)
+        assert page.evaluate("() => document.documentElement.scrollWidth") <= 1024, "the job page overflows"
     finally:
         context.close()
 
@@ -215,8 +217,6 @@ def test_api_docs_render_with_every_non_local_request_blocked(
     page.goto(f"{ops_stack.stack.api_url}/docs")
     expect(page.locator(".opblock").first).to_be_visible(timeout=UI_TIMEOUT_MS)
     assert page.locator(".opblock").count() >= 10
-    page.goto(f"{ops_stack.stack.api_url}/redoc")
-    expect(page.locator("h1").first).to_contain_text("EAGLE-3", timeout=UI_TIMEOUT_MS)
     assert outside == [], f"the docs asked for files outside the API: {outside}"
 
 
@@ -228,7 +228,7 @@ def test_a_running_job_shows_live_rate_eta_and_charts(
     page.goto(f"{ops_stack.stack.api_url}/dashboard")
     row = page.locator(f'tr[data-job-id="{job_id}"]')
     expect(row).to_have_attribute("data-state", "running", timeout=60_000)
-    expect(row.locator('[data-field="eta"] .sub')).to_contain_text("at ", timeout=UI_TIMEOUT_MS)
+    expect(row.locator('[data-field="eta"]')).to_contain_text("at ", timeout=UI_TIMEOUT_MS)
     rate = row.locator('[data-field="tokens_per_second"]').inner_text()
     assert rate.endswith("/s") and not rate.startswith("avg"), rate
     _screenshot(page, "dashboard-jobs.png", tmp_path)

@@ -39,7 +39,8 @@ def test_healthy_stack_passes_every_check_and_leaves_no_scratch_job(ops_stack: O
     names = [c.name for c in checks]
     assert names[:2] == ["redis", "storage"] and names[-1] == "e2e: trainer loads, one step"
     assert "1 step" in _by_name(checks)["e2e: trainer loads, one step"].detail
-    assert set(storage.list("")) == before, "the scratch job must be removed from storage"
+    after = set(storage.list(""))
+    assert after == before, f"left behind: {sorted(after - before)}, removed: {sorted(before - after)}"
     assert not [j for j in progress.list_jobs(ops_stack.redis) if j.startswith("doctor-")]
 
 

@@ -33,6 +33,7 @@ function bytes(n) {
 
 function duration(s) {
   if (s === null || s === undefined || !isFinite(s)) return "–";
+  if (s < 10) return s.toFixed(1) + " s";
   if (s < 90) return s.toFixed(0) + " s";
   if (s < 90 * 60) return (s / 60).toFixed(0) + " min";
   if (s < 48 * 3600) return (s / 3600).toFixed(1) + " h";
@@ -148,7 +149,7 @@ function renderFreshness() {
   const age = freshness.lastOk === null ? null : (now - freshness.lastOk) / 1000;
   const stale = freshness.failingSince !== null || (age !== null && age > (3 * REFRESH_MS) / 1000);
   line.textContent =
-    age === null ? "waiting for the API…" : `updated ${duration(age)} ago, every ${REFRESH_MS / 1000} s`;
+    age === null ? "waiting for the API…" : `updated ${age < 90 ? Math.round(age) + " s" : duration(age)} ago, every ${REFRESH_MS / 1000} s`;
   line.classList.toggle("bad", stale);
   banner.hidden = !stale;
   if (stale) {
@@ -192,7 +193,8 @@ function lineChart(points, { value, label, color, format }) {
   );
   const times = [0, 0.5, 1].map((f) => {
     const t = xLo + f * (xHi - xLo);
-    return `<text x="${x(t)}" y="${height - 8}" text-anchor="${f === 0 ? "start" : f === 1 ? "end" : "middle"}">${clock(t)}</text>`;
+    const label = xHi - xLo < 600 ? new Date(t * 1000).toLocaleTimeString("en-GB") : clock(t);
+    return `<text x="${x(t)}" y="${height - 8}" text-anchor="${f === 0 ? "start" : f === 1 ? "end" : "middle"}">${label}</text>`;
   });
   return `<svg viewBox="0 0 ${width} ${height}" role="img" aria-label="${escapeHtml(label)}" class="chart">
     ${ticks.join("")}${times.join("")}
