@@ -2,13 +2,16 @@
 
 import argparse
 import tempfile
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from shared import doctor
 from shared.errors import Eagle3Error
 from shared.settings import Settings
+
+if TYPE_CHECKING:  # shared.doctor imports torch: every `eagle3` command (the worker probe too) would pay for it
+    from shared.doctor import Check
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -39,7 +42,7 @@ def train_one_step(job_id: str, settings: Settings) -> str:
     return f"loaded {summary['train_tokens']} tokens, 1 step, loss {summary['final_loss']:.3f}"
 
 
-def print_table(checks: list[doctor.Check], console: Console) -> None:
+def print_table(checks: "list[Check]", console: Console) -> None:
     table = Table(title="eagle3 doctor", show_lines=False)
     table.add_column("check")
     table.add_column("result")
@@ -52,6 +55,7 @@ def print_table(checks: list[doctor.Check], console: Console) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> None:
+    from shared import doctor
     from shared.model_assets import resolve_model_path
 
     model = args.model or (str(settings.model_path) if settings.model_path else None)
