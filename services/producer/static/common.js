@@ -23,7 +23,7 @@ function bytes(n) {
   const units = ["B", "kB", "MB", "GB", "TB", "PB"];
   let value = Math.abs(n);
   let unit = 0;
-  while (value >= 1000 && unit < units.length - 1) {
+  while (value >= 999.5 && unit < units.length - 1) { // 999.7 MB reads 1.00 GB, not "1000 MB"
     value /= 1000;
     unit += 1;
   }
