@@ -6,7 +6,7 @@ EAGLE3 := $(VENV)/bin/eagle3
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install install-browser demo test lint bench clean up down logs k8s-render k8s-validate
+.PHONY: install install-browser demo test test-fast lint bench clean up down logs k8s-render k8s-validate
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: install
 test: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q --durations=15
+
+# Everything not marked slow (no real model, no stack of processes): the loop while editing.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --durations=10
 
 # Benchmarks print tables of medians and ratios against a baseline run in the same command.
 bench: install

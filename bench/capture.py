@@ -2,8 +2,8 @@
 server driven directly over HTTP, and against the full worker data path (capture over HTTP, validation, sample
 files written by the writer pool). Same model, same prompts, alternating runs; medians and ratios.
 
-DESIGN.md targets on an H100 with the Llama-3.1-8B shape: end to end >= 0.95 x bare prefill, and the reference
-backend >= 38K tokens/s.
+Targets (docs/benchmarks.md) on an H100 with the Llama-3.1-8B shape: end to end >= 0.95 x bare prefill, and the
+reference backend >= 38K tokens/s.
 
     python -m bench.capture --model smollm2 --prompts 32 --prompt-tokens 256          # CPU, this machine
     python -m bench.capture --model llama-3.1-8b-random --prompts 64 --prompt-tokens 2048 --json OUT   # GPU host
@@ -24,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import bench_job, in_processes, reference_server
-from shared.extraction import capture_and_write
+from shared.capture_protocol import default_aux_layer_ids
 from shared.inference_client import InferenceClient
-from shared.jobs import default_aux_layer_ids
+from shared.kinds.extract import capture_and_write
 from shared.model_assets import resolve_model_path
 from shared.schemas import JobRecord, SampleInput
 from shared.storage import FileStorage

@@ -10,19 +10,17 @@ until the visibility timeout puts them back in the queue.
 import json
 import logging
 import time
-from typing import Any
 
 import redis
 from pydantic import BaseModel
 
 from shared.progress import job_key
-from shared.queue import EXTRACT_QUEUE
+from shared.queue import SENT_TS_HEADER, SHARD_QUEUE
 
 logger = logging.getLogger(__name__)
 
 WORKERS_INDEX = "eagle3:workers"  # sorted set: worker name -> time of its last heartbeat
 WORKER_RETENTION_S = 24 * 3600  # a worker silent for longer is forgotten
-SENT_TS_HEADER = "eagle3_sent_ts"  # stamped on every task message when it is published
 # kombu's Redis transport keeps one list per priority step; the plain name holds priority 0.
 _PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 _UNACKED = "unacked"  # kombu's hash of delivered, not yet acknowledged messages (every queue)
@@ -89,12 +87,6 @@ def leave(client: redis.Redis, name: str) -> None:
         pipe.execute()
 
 
-def stamp_sent_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    """Celery `before_task_publish` handler: record when a shard message entered the queue."""
-    if headers is not None:
-        headers.setdefault(SENT_TS_HEADER, time.time())
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Read by the API, the dashboard and /metrics
 
@@ -124,7 +116,7 @@ def list_workers(client: redis.Redis, *, stale_after_s: float, now: float | None
     return workers
 
 
-def queue_depth(client: redis.Redis, queue: str = EXTRACT_QUEUE, *, now: float | None = None) -> QueueDepth:
+def queue_depth(client: redis.Redis, queue: str = SHARD_QUEUE, *, now: float | None = None) -> QueueDepth:
     now = time.time() if now is None else now
     names = [queue + suffix for suffix in _PRIORITY_SUFFIXES]
     with client.pipeline() as pipe:

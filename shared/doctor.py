@@ -31,11 +31,12 @@ from urllib.parse import urlparse
 
 import redis
 
-from shared import cluster, extraction, jobs, progress
+from shared import cluster, jobs, progress, shards
 from shared.capture_protocol import ModelInfo
 from shared.datasets import InvalidRecord, read_dataset
 from shared.errors import Eagle3Error, InvalidSample
 from shared.inference_client import InferenceClient
+from shared.kinds import EXTRACT
 from shared.schemas import JobSpec
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
@@ -249,7 +250,11 @@ def check_end_to_end(
 
             def submit() -> tuple[Status, str]:
                 job = jobs.submit(
-                    spec, settings=settings, storage=storage, client=client, enqueue=lambda _, k: planned.append(k)
+                    spec,
+                    settings=settings,
+                    storage=storage,
+                    client=client,
+                    enqueue=lambda _kind, _job, k: planned.append(k),
                 )
                 return "pass", f"scratch job {job_id}: {job.samples_total} sample, {job.tokens_total} tokens planned"
 
@@ -258,10 +263,18 @@ def check_end_to_end(
                 return checks
 
             def capture() -> tuple[Status, str]:
-                with InferenceClient(inference_url, timeout_s=settings.inference_timeout_s, max_concurrency=1) as inf:
-                    outcome = extraction.extract_shard(
-                        job_id, planned[0], storage=storage, redis_client=client, inference=inf, worker="doctor"
-                    )
+                # The worker's own shard lifecycle, run here against the first inference server.
+                ctx = shards.ShardContext(
+                    storage=storage,
+                    redis=client,
+                    settings=settings.model_copy(update={"inference_url": inference_url}),
+                    worker="doctor",
+                )
+                try:
+                    outcome = shards.run_shard(EXTRACT, job_id, planned[0], ctx)
+                finally:
+                    for state in ctx.states.values():
+                        state.close()
                 if outcome.status != "committed":
                     return "fail", f"shard {planned[0]}: {outcome.status}"
                 return "pass", (

@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from celery import Celery, signals
+from celery import Celery
 
 from shared import cluster, progress, shard_metrics, timeline
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK, extract_task_id
+from shared.queue import SHARD_QUEUE, ShardSender, task_id, task_name
 from shared.schemas import DeadLetter, Manifest
 from shared.settings import Settings
 from tests.integration.test_progress import make_job as make_progress_job
@@ -50,7 +50,7 @@ def test_workers_are_listed_with_holdings_and_go_silent_without_beats(client: re
     now = time.time()
     cluster.beat(client, "worker-1@host", concurrency=2, now=now - 100)
     cluster.beat(client, "worker-2@host", concurrency=1, now=now)
-    held = cluster.HeldShard(task_id="t1", task=EXTRACT_TASK, job_id="job-a", shard_index=3, started_ts=now - 5)
+    held = cluster.HeldShard(task_id="t1", task=task_name("extract"), job_id="job-a", shard_index=3, started_ts=now - 5)
     cluster.hold(client, "worker-1@host", held)
 
     workers = {w.name: w for w in cluster.list_workers(client, stale_after_s=45, now=now)}
@@ -66,16 +66,12 @@ def test_workers_are_listed_with_holdings_and_go_silent_without_beats(client: re
     assert set(workers) == {"worker-1@host"} and workers["worker-1@host"].holding == []
 
 
-def test_queue_depth_and_oldest_age_of_messages_celery_published(redis_url: str, client: redis.Redis) -> None:
-    app = Celery("probe", broker=redis_url)
-    signals.before_task_publish.connect(cluster.stamp_sent_time)
-    try:
-        assert cluster.queue_depth(client).depth == 0 and cluster.queue_depth(client).oldest_age_s is None
-        sent = time.time()
-        for k in range(3):
-            app.send_task(EXTRACT_TASK, args=["job-a", k], queue=EXTRACT_QUEUE, task_id=extract_task_id("job-a", k))
-    finally:
-        signals.before_task_publish.disconnect(cluster.stamp_sent_time)
+def test_queue_depth_and_oldest_age_of_messages_the_producer_sent(redis_url: str, client: redis.Redis) -> None:
+    assert cluster.queue_depth(client).depth == 0 and cluster.queue_depth(client).oldest_age_s is None
+    sender = ShardSender(redis_url)
+    sent = time.time()
+    for k in range(3):
+        sender.send("extract", "job-a", k)
 
     depth = cluster.queue_depth(client, now=sent + 30)
     assert depth.depth == 3 and depth.in_flight == 0
@@ -85,8 +81,9 @@ def test_queue_depth_and_oldest_age_of_messages_celery_published(redis_url: str,
 def test_queue_age_falls_back_to_the_job_created_time_without_a_header(redis_url: str, client: redis.Redis) -> None:
     make_job(client, "job-old", shards=1, tokens_per_shard=10)
     created = float(client.hget(progress.job_key("job-old"), "created_ts"))
+    # A message without the sent-time header (sent by an older producer): its job's creation time stands in.
     Celery("probe", broker=redis_url).send_task(
-        EXTRACT_TASK, args=["job-old", 0], queue=EXTRACT_QUEUE, task_id=extract_task_id("job-old", 0)
+        task_name("extract"), args=["job-old", 0], queue=SHARD_QUEUE, task_id=task_id("extract", "job-old", 0)
     )
     assert cluster.queue_depth(client, now=created + 600).oldest_age_s == pytest.approx(600, abs=1)
 

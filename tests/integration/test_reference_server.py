@@ -22,8 +22,6 @@ from shared.inference_client import InferenceClient
 from shared.settings import Settings
 from tests.fixtures.processes import free_port
 
-pytest_plugins = ["tests.fixtures.reference_server"]
-
 pytestmark = pytest.mark.slow
 
 N_LAYERS, H = 8, 64  # the tiny model's shape

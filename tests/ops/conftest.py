@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from shared.local_stack import LocalStack
+from eagle3.local_stack import LocalStack
 from shared.settings import Settings
 from tests.builders import build_tiny_llama
 from tests.datasets import write_dataset

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services.doctor_cli import train_one_step
+from eagle3.doctor import train_one_step
 from shared import doctor, progress
 from shared.storage import open_storage
 from tests.fixtures.processes import free_port
@@ -86,7 +86,7 @@ def test_cli_prints_the_table_and_exits_non_zero_on_failure(ops_stack: OpsStack)
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "eagle3",
             "doctor",
             "--model",
             str(ops_stack.model_dir),

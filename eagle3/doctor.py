@@ -1,4 +1,4 @@
-"""`eagle3 doctor`: the composition root's wiring of shared/doctor.py's checks and the trainer's one-step probe."""
+"""`eagle3 doctor`: shared/doctor.py's checks, wired here (the composition root) to the trainer's one-step probe."""
 
 import argparse
 import tempfile
