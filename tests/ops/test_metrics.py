@@ -5,9 +5,12 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.ops.conftest import OpsStack, RanJobs
+
+pytestmark = pytest.mark.slow
 
 GRAFANA_DASHBOARD = Path(__file__).resolve().parents[2] / "docker" / "grafana" / "dashboards" / "eagle3.json"
 
