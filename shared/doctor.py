@@ -32,11 +32,12 @@ from urllib.parse import urlparse
 import redis
 
 from shared import cluster, jobs, progress, shards
-from shared.capture_protocol import ModelInfo
+from shared.capture_protocol import ModelInfo, default_aux_layer_ids
 from shared.datasets import InvalidRecord, read_dataset
 from shared.errors import Eagle3Error, InvalidSample
 from shared.inference_client import InferenceClient
 from shared.kinds import EXTRACT
+from shared.kinds.extract import bytes_per_token
 from shared.schemas import JobSpec
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
@@ -82,7 +83,7 @@ class Target:
             num_hidden_layers=layers,
             hidden_size=config["hidden_size"],
             vocab_size=config["vocab_size"],
-            aux_layer_ids=aux_layer_ids or jobs.default_aux_layer_ids(layers),
+            aux_layer_ids=aux_layer_ids or default_aux_layer_ids(layers),
         )
 
 
@@ -168,7 +169,7 @@ def check_layer_ids(target: Target) -> Check:
         outside = [i for i in ids if not 0 <= i < n]
         if outside:
             return "fail", f"aux_layer_ids {ids}: {outside} outside the target's decoder layers [0, {n})"
-        default = jobs.default_aux_layer_ids(n)
+        default = default_aux_layer_ids(n)
         note = "" if ids == default else f" (EAGLE-3's default for {n} layers is {default})"
         return "pass", f"aux_layer_ids {ids} of {n} layers, hidden size {target.hidden_size}{note}"
 
@@ -180,6 +181,7 @@ def check_budget(dataset_url: str | None, target: Target, settings: Settings) ->
         if dataset_url is None:
             return "warn", "no --dataset given: the run's size was not projected"
         tokenizer = ChatTokenizer.from_pretrained(target.model_path)
+        max_length = JobSpec.model_fields["max_length"].default  # what a job truncates to unless told otherwise
         lines = list(jobs.read_dataset_lines(dataset_url, settings))
         sampled, tokens = 0, 0
         for item in itertools.islice(read_dataset(lines), PROJECTION_SAMPLE_LINES):
@@ -187,12 +189,12 @@ def check_budget(dataset_url: str | None, target: Target, settings: Settings) ->
             if isinstance(item, InvalidRecord):
                 continue
             try:
-                tokens += tokenizer.tokenize(item, max_length=2048, length_policy="truncate").num_tokens
+                tokens += tokenizer.tokenize(item, max_length=max_length, length_policy="truncate").num_tokens
             except InvalidSample:
                 continue
         if not sampled:
             return "fail", f"{dataset_url}: no record"
-        per_token = jobs.bytes_per_token(target.hidden_size)
+        per_token = bytes_per_token(target.hidden_size)
         projected = round(tokens * len(lines) / sampled) * per_token
         how = f"{tokens * len(lines) / sampled:,.0f} tokens" + (
             f" (from {sampled:,} of {len(lines):,} lines)" if sampled < len(lines) else ""
