@@ -14,8 +14,6 @@ from shared.schemas import DeadLetter, Manifest
 from shared.settings import Settings
 from tests.integration.test_progress import make_job as make_progress_job
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 @pytest.fixture
 def client(redis_url: str) -> Iterator[redis.Redis]:

@@ -19,8 +19,6 @@ from shared.settings import Settings
 from tests.builders import build_tiny_llama
 from tests.datasets import write_dataset
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 # The operator's stall limit (EAGLE3_STALL_AFTER_S) for this stack: short, so that a stall shows within a test.
 # The production default is checked in tests/integration/test_cluster.py by moving the clock instead.
 STALL_AFTER_S = 4.0
