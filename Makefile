@@ -83,3 +83,9 @@ k8s-validate: k8s-render
 
 clean:
 	rm -rf $(VENV) .eagle3 $(K8S_OUT)
+
+# Qualify a SGLang release with the capture plugin: golden check, conformance suite and capture benchmark against a
+# running capture server (docs/sglang.md). SGLANG_SHM_DIR: its shared directory as mounted here (optional).
+.PHONY: sglang-qualify
+sglang-qualify: install
+	PY=$(PY) scripts/sglang_qualify.sh $(SGLANG_URL) $(SGLANG_MODEL) $(SGLANG_SHM_DIR)

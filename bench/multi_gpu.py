@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from bench.capture import capture_model
+from bench.capture_model import capture_model
 from bench.common import bench_job, in_processes, reference_server
 from services.trainer.train import latest_key
 from shared import layout

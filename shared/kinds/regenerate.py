@@ -271,7 +271,7 @@ def regenerate_conversation(
                 )
             params = {**sampling_params(spec), "max_new_tokens": min(spec.max_new_tokens, room)}
             if spec.seed is not None and spec.temperature > 0:
-                params["seed"] = turn_seed(spec.seed, conv.sample_index, index)
+                params["sampling_seed"] = turn_seed(spec.seed, conv.sample_index, index)
             rid = f"{job.job_id}/{conv.sample_index}/{index}/{attempt}"
             answer = inference.generate(input_ids=prompt, sampling_params=params, rid=rid)
             text, reasoning_field, completion_tokens, finish = _parse_answer(answer, where, renderer)
