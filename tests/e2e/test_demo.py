@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from tests.fixtures.processes import wait_until
 
@@ -42,6 +43,7 @@ def demo_env(home: Path, redis_url: str) -> dict[str, str]:
         "EAGLE3_HOME": str(home),
         "EAGLE3_REDIS_URL": redis_url,
         "EAGLE3_STORAGE_URL": (home / "storage").as_uri(),
+        "EAGLE3_DEMO_REGENERATE": "0",  # the original conversations: regeneration has its own test below
         "PYTHONUNBUFFERED": "1",
     }
 
@@ -130,10 +132,15 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path, tiny_model_
     assert "every process of the stack was stopped" in (tmp_path / "demo.log").read_text()
 
 
-def test_demo_regenerates_the_conversations_first_when_asked(
+def test_demo_regenerates_the_conversations_first_by_default_with_its_own_redis(
     tmp_path: Path, tiny_model_dir: Path, redis_url: str
 ) -> None:
-    env = {**demo_env(tmp_path, redis_url), "EAGLE3_DEMO_REGENERATE": "1"}  # the documented switch
+    # As a user runs it: no EAGLE3_DEMO_REGENERATE, and no EAGLE3_REDIS_URL although a Redis (the fixture's) runs.
+    env = {
+        k: v
+        for k, v in demo_env(tmp_path, redis_url).items()
+        if k not in ("EAGLE3_DEMO_REGENERATE", "EAGLE3_REDIS_URL")
+    }
     argv = [*demo_argv(tiny_model_dir), "--regenerate-max-new-tokens", "8", "--regenerate-shard-size", "6"]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -144,4 +151,6 @@ def test_demo_regenerates_the_conversations_first_when_asked(
     assert regenerated["conversations_written"] + regenerated["conversations_failed"] == 24
     assert report["samples_committed"] == report["samples_total"] == regenerated["conversations_written"] > 0
     assert regenerated["generated_tokens"] > 0 and regenerated["turns"] >= regenerated["conversations_written"]
+    assert "redis" in {path.name for path in (tmp_path / "demo" / "logs").iterdir()}  # it started its own
+    assert redis.Redis.from_url(redis_url).keys(f"*{regenerated['job_id']}*") == []  # and left the other alone
     assert processes_with_home(tmp_path) == []
