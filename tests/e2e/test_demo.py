@@ -13,7 +13,6 @@ import redis
 
 from tests.fixtures.processes import wait_until
 
-pytest_plugins = ["tests.fixtures.redis_server"]
 pytestmark = pytest.mark.slow
 
 TRAINER_FIELDS = {
@@ -52,7 +51,7 @@ def demo_argv(model: Path, *, train_seconds: float = 0) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "services.cli",
+        "eagle3",
         "demo",
         "--model",
         str(model),
