@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         default=900.0, gt=0, description="a queued or running job that commits nothing for this long is stalled"
     )
     demo_regenerate: bool = Field(
-        default=False, description="`eagle3 demo` regenerates the demo conversations with the target first"
+        default=True, description="`eagle3 demo` regenerates the demo conversations with the target first"
     )
 
     @model_validator(mode="after")
