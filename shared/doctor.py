@@ -253,7 +253,7 @@ def check_end_to_end(
             def submit() -> tuple[Status, str]:
                 job = jobs.submit(
                     spec,
-                    settings=settings,
+                    settings=settings.model_copy(update={"dataset_roots": [*settings.dataset_roots, tmp]}),  # its own
                     storage=storage,
                     client=client,
                     enqueue=lambda _kind, _job, k: planned.append(k),

@@ -4,6 +4,7 @@ the job page's drill-downs work, it fits 1,024 px, and /docs renders with every 
 
 Screenshots go to $EAGLE3_SCREENSHOT_DIR when it is set (docs/img/ keeps a pair for the README)."""
 
+import json
 import os
 import re
 from collections.abc import Iterator
@@ -37,9 +38,16 @@ def browser() -> Iterator["playwright_sync.Browser"]:
         browser.close()
 
 
+def with_token(context: "playwright_sync.BrowserContext", ops_stack: OpsStack) -> None:
+    """The stack's API token in the page's session, as an operator enters it in the dashboard's token box."""
+    token = json.dumps(ops_stack.stack.api_token)
+    context.add_init_script(f"sessionStorage.setItem('eagle3-api-token', {token})")
+
+
 @pytest.fixture
-def page(browser: "playwright_sync.Browser") -> Iterator["playwright_sync.Page"]:
+def page(browser: "playwright_sync.Browser", ops_stack: OpsStack) -> Iterator["playwright_sync.Page"]:
     context = browser.new_context(viewport={"width": 1400, "height": 900})
+    with_token(context, ops_stack)
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -184,6 +192,7 @@ def test_jobs_list_and_job_page_fit_a_1024_px_window(
     ops_stack: OpsStack, ran_jobs: RanJobs, browser: "playwright_sync.Browser"
 ) -> None:
     context = browser.new_context(viewport={"width": 1024, "height": 768})
+    with_token(context, ops_stack)
     try:
         page = context.new_page()
         page.goto(f"{ops_stack.stack.api_url}/dashboard")
