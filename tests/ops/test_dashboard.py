@@ -41,7 +41,8 @@ def browser() -> Iterator["playwright_sync.Browser"]:
 def with_token(context: "playwright_sync.BrowserContext", ops_stack: OpsStack) -> None:
     """The stack's API token in the page's session, as an operator enters it in the dashboard's token box."""
     token = json.dumps(ops_stack.stack.api_token)
-    context.add_init_script(f"sessionStorage.setItem('eagle3-api-token', {token})")
+    # Top frame only: the trainer curves are a sandboxed frame without storage.
+    context.add_init_script(f"if (window === window.top) sessionStorage.setItem('eagle3-api-token', {token});")
 
 
 @pytest.fixture
