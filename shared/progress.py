@@ -341,6 +341,7 @@ def job_progress(
         shards_total=shards_total,
         shards_committed=number["shards_committed"],
         shards_dead_lettered=number["shards_dead"],
+        shards_rerun=number.get("shards_rerun", 0),
         bytes_stored=number["bytes_stored"],
         bytes_per_token=bytes_per_token,
         projected_total_bytes=projected,

@@ -3,7 +3,7 @@
 from collections.abc import Iterator
 
 import redis
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from shared import progress
@@ -38,7 +38,7 @@ class JobsCollector(Collector):
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.client, self.settings = client, settings
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         families = {
             name: GaugeMetricFamily(f"eagle3_job_{name}", doc, labels=["job_id", "state"])
             for name, doc in _GAUGES.items()
@@ -47,6 +47,11 @@ class JobsCollector(Collector):
             name: GaugeMetricFamily(f"eagle3_job_{name}", doc, labels=["job_id", "state"])
             for name, doc in _REGENERATION_GAUGES.items()
         }
+        reruns = CounterMetricFamily(
+            "eagle3_job_shards_rerun",
+            "Shards run again after their worker died, lost its pool process or stopped (lease expired or requeued)",
+            labels=["job_id", "state"],
+        )
         for job_id in progress.list_jobs(self.client):
             p = progress.job_progress(
                 self.client,
@@ -58,8 +63,10 @@ class JobsCollector(Collector):
                 value = getattr(p, name)
                 if value is not None:
                     family.add_metric([job_id, p.state], float(value))
+            reruns.add_metric([job_id, p.state], float(p.shards_rerun))
             if p.regeneration is not None:
                 for name, family in regeneration.items():
                     family.add_metric([job_id, p.state], float(getattr(p.regeneration, name)))
         yield from families.values()
         yield from regeneration.values()
+        yield reruns

@@ -33,3 +33,4 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
+app.steps["consumer"].add("services.worker.leasing:LeaseKeeper")  # shard leases and their reaper: see leasing.py

@@ -19,6 +19,7 @@ from shared.queue import EXTRACT_TASK, REGENERATE_TASK
 from shared.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
+LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends with its message
 
 
 @dataclass
@@ -56,6 +57,8 @@ def resources() -> WorkerResources:
 
 
 class ShardTask(Task):
+    Request = LEASED_REQUEST
+
     def on_failure(self, exc: BaseException, task_id: str, args: tuple, kwargs: dict, einfo: Any) -> None:
         # Called once retries are exhausted or the error is not transient: record why, never drop silently.
         job_id, shard_index = args
@@ -98,6 +101,8 @@ def extract_shard(self: Task, job_id: str, shard_index: int) -> dict:
 
 
 class RegenerateShardTask(Task):
+    Request = LEASED_REQUEST
+
     def on_failure(self, exc: BaseException, task_id: str, args: tuple, kwargs: dict, einfo: Any) -> None:
         job_id, shard_index = args
         r = resources()
