@@ -41,6 +41,7 @@ class Lease:
     shard_index: int
     holder: str
     delivery_tag: str
+    acquired_at: float = 0.0  # Redis server time (Unix seconds) when this delivery took the lease
 
     @property
     def lease_id(self) -> str:
@@ -67,7 +68,7 @@ _ACQUIRE = (
     _NOW
     + """
 redis.call('HSET', KEYS[2], 'holder', ARGV[1], 'delivery_tag', ARGV[2], 'task', ARGV[3], 'task_id', ARGV[4],
-           'job_id', ARGV[5], 'shard_index', ARGV[6])
+           'job_id', ARGV[5], 'shard_index', ARGV[6], 'acquired_at', tostring(now))
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[7]), ARGV[8])
 """
 )
@@ -162,17 +163,8 @@ def claim_expired(client: redis.Redis, limit: int = 100) -> list[ExpiredLease]:
     claimed: list[ExpiredLease] = []
     for _, expired_for, flat in client.eval(_CLAIM_EXPIRED, 1, LEASES, limit, LEASE_PREFIX):
         fields = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-        if not fields:  # released between ZADD and HSET of a racing acquire: nothing to recover
-            continue
-        lease = Lease(
-            task=fields["task"],
-            task_id=fields["task_id"],
-            job_id=fields["job_id"],
-            shard_index=int(fields["shard_index"]),
-            holder=fields["holder"],
-            delivery_tag=fields["delivery_tag"],
-        )
-        claimed.append(ExpiredLease(lease, float(expired_for)))
+        if fields:  # empty: released between ZADD and HSET of a racing acquire, nothing to recover
+            claimed.append(ExpiredLease(_lease(fields), float(expired_for)))
     return claimed
 
 
@@ -182,17 +174,20 @@ def held(client: redis.Redis) -> list[Lease]:
     for raw_id in client.zrange(LEASES, 0, -1):
         fields = {k.decode(): v.decode() for k, v in client.hgetall(LEASE_PREFIX + raw_id.decode()).items()}
         if fields:
-            leases.append(
-                Lease(
-                    task=fields["task"],
-                    task_id=fields["task_id"],
-                    job_id=fields["job_id"],
-                    shard_index=int(fields["shard_index"]),
-                    holder=fields["holder"],
-                    delivery_tag=fields["delivery_tag"],
-                )
-            )
+            leases.append(_lease(fields))
     return leases
+
+
+def _lease(fields: dict[str, str]) -> Lease:
+    return Lease(
+        task=fields["task"],
+        task_id=fields["task_id"],
+        job_id=fields["job_id"],
+        shard_index=int(fields["shard_index"]),
+        holder=fields["holder"],
+        delivery_tag=fields["delivery_tag"],
+        acquired_at=float(fields.get("acquired_at", 0.0)),
+    )
 
 
 def count_rerun(client: redis.Redis, job_id: str) -> None:

@@ -114,7 +114,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
             job_id=str(job_id),
             shard_index=int(shard_index),
             holder=self.holder,
-            delivery_tag=str(request.delivery_info["delivery_tag"]),
+            delivery_tag=str(request.message.delivery_tag),
         )
 
     def acquire(self, request: Request) -> None:
@@ -128,7 +128,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
             logger.warning("cannot lease shard %d of job %s: %s", lease.shard_index, lease.job_id, exc)
 
     def release(self, request: Request, *, requeued: bool) -> None:
-        lease = self.held.pop(str(request.delivery_info.get("delivery_tag")), None)
+        lease = self.held.pop(str(request.message.delivery_tag), None)
         if lease is None or self.client is None:
             return
         try:
