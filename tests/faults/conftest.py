@@ -2,6 +2,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -12,7 +13,9 @@ from shared.storage import open_storage
 from tests.faults import report
 from tests.faults.stack import FaultStack
 from tests.fixtures.processes import free_port
-from tests.fixtures.seaweedfs import S3Server
+
+if TYPE_CHECKING:
+    from tests.fixtures.seaweedfs import S3Server
 
 MakeStack = Callable[..., AbstractContextManager[FaultStack]]
 
@@ -37,7 +40,7 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def make_stack(
-    smollm2_dir: Path, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_dir: Path, s3_server: "S3Server", tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[MakeStack]:
     """`with make_stack(workers=2) as stack:` a fresh stack; Redis is started by the stack (append-only file on,
     as compose configures it) unless `redis_url` names one already running."""
