@@ -73,9 +73,7 @@ def audit_job(storage: Storage, job_id: str) -> Audit:
                 continue
             if len(data) != sample.bytes or hashlib.sha256(data).hexdigest() != sample.sha256:
                 torn.append(f"{sample.key} ({len(data)} bytes, manifest says {sample.bytes})")
-    stray = sorted(
-        k for k in keys - named if not _OWN_FILES.fullmatch(k.removeprefix(f"{job_id}/"))
-    )
+    stray = sorted(k for k in keys - named if not _OWN_FILES.fullmatch(k.removeprefix(f"{job_id}/")))
     return Audit(
         job_id=job_id,
         samples_expected=len(expected),

@@ -84,7 +84,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
     terminalreporter.section("fault table")
     for r in [header, ["-" * w for w in widths], *lines]:
-        terminalreporter.write_line("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        terminalreporter.write_line(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        )
     terminalreporter.write_line(
         "recover s: from the fault to the affected shard running again (worker kills) or committed (other faults)"
     )
