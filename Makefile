@@ -6,7 +6,7 @@ EAGLE3 := $(VENV)/bin/eagle3
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install demo test lint bench clean up down logs k8s-render k8s-validate
+.PHONY: install demo test lint bench clean up down logs k8s-render k8s-validate faults
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ demo: install
 test: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q --durations=15
+
+# Fault-injection scenarios over real processes; prints the fault table (also build/faults.json).
+# `-o addopts=` lifts the default `-m 'not faults'`; the trainer's resume test is the trainer's fault row.
+faults: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m pytest -q -o addopts= -p tests.faults.report tests/faults \
+		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run
 
 # Benchmarks print tables of medians and ratios against a baseline run in the same command.
 bench: install

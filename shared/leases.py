@@ -244,7 +244,7 @@ def _requeue(
         resend(lease)
     count_rerun(client, lease.job_id)
     logger.warning(
-        "shard %d of job %s queued again: its worker %s stopped renewing its lease %.0fs ago (%s)",
+        "shard %d of job %s queued again: worker %s stopped renewing its lease (expired %.0fs ago; %s)",
         lease.shard_index,
         lease.job_id,
         lease.holder,
