@@ -16,6 +16,7 @@ from shared import layout
 from shared.demo_data import write_demo_dataset
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack
+from tests.faults.fault_proxy import fault_proxy
 from tests.faults.stack import FaultStack, wait_for
 from tests.fixtures.processes import free_port
 
@@ -132,3 +133,37 @@ def test_producer_killed_mid_submit_leaves_no_half_job(make_stack: MakeStack, tm
 def _post_ignoring_errors(api: httpx.Client, spec: dict) -> None:
     with contextlib.suppress(httpx.HTTPError):  # the producer is killed under this request
         api.post("/v1/jobs", json=spec)
+
+
+HANG_TIMEOUT_S = 20.0  # EAGLE3_INFERENCE_TIMEOUT_S for this scenario only (default 300 s): one hang, not five minutes
+
+
+def test_inference_server_that_hangs_times_out_and_recovers(make_stack: MakeStack, chats: Path, fault_table) -> None:
+    row = fault_table(f"inference hangs 45 s (request timeout {HANG_TIMEOUT_S:.0f} s)")
+    with (
+        make_stack(workers=0, inference_timeout_s=HANG_TIMEOUT_S) as stack,
+        fault_proxy(stack.stack.env["EAGLE3_INFERENCE_URL"]) as proxy,
+    ):
+        # The workers reach the server through the proxy; the producer does not call it.
+        stack.stack.env = {**stack.stack.env, "EAGLE3_INFERENCE_URL": proxy.endpoint_url}
+        for _ in range(2):
+            stack.stack.add_worker()
+        job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
+        stack.lease_mid_shard(job_id)
+        proxy.fault = "hang"
+        wait_for(lambda: proxy.injected >= 2, 60, "requests hanging")
+        hung = proxy.injected
+        time.sleep(45)  # more than two request timeouts: the workers time out, back off and try again
+        retried_during_hang = proxy.injected - hung
+        proxy.fault = "none"
+        released = time.monotonic()
+        row.recover_s = wait_next_commit(stack, job_id) - released
+        p = stack.wait(job_id, supervise=False)
+        if p.state == "completed_with_errors":
+            assert stack.api.post(f"/v1/jobs/{job_id}/resume").status_code == 200
+            row.note = f"{p.shards_dead_lettered} shard(s) dead-lettered during the hang; resumed"
+            p = stack.wait(job_id, supervise=False)
+        row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
+    assert retried_during_hang > 0  # no worker waited on a hung request forever: they timed out and retried
+    assert row.audit.clean, row.audit.explain()
+    assert (p.state, p.samples_done) == ("completed", p.samples_total), p

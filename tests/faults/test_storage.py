@@ -10,7 +10,7 @@ from shared import layout
 from shared.schemas import DeadLetter, Progress
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack
-from tests.faults.s3_proxy import Fault, S3FaultProxy, s3_fault_proxy
+from tests.faults.fault_proxy import Fault, FaultProxy, fault_proxy
 from tests.faults.stack import FaultStack, wait_for
 
 pytest_plugins = ["tests.fixtures.seaweedfs", "tests.fixtures.smollm2"]
@@ -20,8 +20,8 @@ SHARD_TOKENS = 1500
 
 
 @pytest.fixture
-def proxy(s3_server) -> Iterator[S3FaultProxy]:
-    with s3_fault_proxy(s3_server.endpoint_url) as proxy:
+def proxy(s3_server) -> Iterator[FaultProxy]:
+    with fault_proxy(s3_server.endpoint_url) as proxy:
         yield proxy
 
 
@@ -38,9 +38,7 @@ def finish_resuming(stack: FaultStack, job_id: str) -> tuple[Progress, list[Dead
     return p, letters
 
 
-def test_s3_refused_reset_slowdown_and_slow(
-    make_stack: MakeStack, chats: Path, proxy: S3FaultProxy, fault_table
-) -> None:
+def test_s3_refused_reset_slowdown_and_slow(make_stack: MakeStack, chats: Path, proxy: FaultProxy, fault_table) -> None:
     row = fault_table("S3 refused / reset mid-upload / 503 SlowDown / slow (6 s each)")
     with make_stack(workers=2, s3_endpoint_url=proxy.endpoint_url) as stack:
         job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
@@ -64,7 +62,7 @@ def test_s3_refused_reset_slowdown_and_slow(
     assert (p.state, p.samples_done) == ("completed", p.samples_total), p
 
 
-def test_s3_unreachable_for_30_seconds(make_stack: MakeStack, chats: Path, proxy: S3FaultProxy, fault_table) -> None:
+def test_s3_unreachable_for_30_seconds(make_stack: MakeStack, chats: Path, proxy: FaultProxy, fault_table) -> None:
     row = fault_table("S3 unreachable 30 s (connections refused)")
     with make_stack(workers=2, s3_endpoint_url=proxy.endpoint_url) as stack:
         job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
@@ -86,7 +84,7 @@ def test_s3_unreachable_for_30_seconds(make_stack: MakeStack, chats: Path, proxy
 
 
 def test_storage_full_mid_job_fails_clearly_then_resumes(
-    make_stack: MakeStack, chats: Path, proxy: S3FaultProxy, fault_table
+    make_stack: MakeStack, chats: Path, proxy: FaultProxy, fault_table
 ) -> None:
     row = fault_table("storage full (507) mid-job, then room again")
     with make_stack(workers=2, s3_endpoint_url=proxy.endpoint_url) as stack:

@@ -1,5 +1,5 @@
-"""A fault-injecting TCP proxy in front of an S3 server: refused connections, connections reset mid-upload,
-503 SlowDown, slow responses, 507 storage full for writes.
+"""A fault-injecting TCP proxy in front of an HTTP server (S3, an inference server): refused connections,
+connections reset mid-upload, 503 SlowDown, slow responses, 507 storage full for writes, requests that hang.
 
 Each request gets a connection of its own (the proxy adds `Connection: close`, a header SigV4 does not sign), so
 the fault is chosen per request: `proxy.fault = "reset"` applies to the next requests until set back to "none".
@@ -16,7 +16,7 @@ from typing import Literal
 
 from tests.fixtures.processes import free_port
 
-Fault = Literal["none", "refuse", "reset", "slowdown", "slow", "full"]
+Fault = Literal["none", "refuse", "reset", "slowdown", "slow", "full", "hang"]
 _ERROR = (
     "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n{body}"
 )
@@ -24,7 +24,7 @@ _ERROR_BODY = "<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><
 SLOW_DELAY_S = 0.5  # per chunk of the response in "slow"
 
 
-class S3FaultProxy:
+class FaultProxy:
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.port = free_port()
@@ -67,6 +67,12 @@ class S3FaultProxy:
             return
         method = head.split(b" ", 1)[0]
         fault = self.fault
+        if fault == "hang":  # read, never answer, until the fault is cleared; then drop the connection
+            self.injected += 1
+            while self.fault == "hang":
+                await asyncio.sleep(0.1)
+            _reset(client_writer)
+            return
         writes = method in (b"PUT", b"POST")
         if fault == "slowdown" or (fault == "full" and writes):
             self.injected += 1
@@ -130,8 +136,8 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 
 
 @contextmanager
-def s3_fault_proxy(upstream_endpoint_url: str) -> Iterator[S3FaultProxy]:
-    proxy = S3FaultProxy(int(upstream_endpoint_url.rsplit(":", 1)[1]))
+def fault_proxy(upstream_endpoint_url: str) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(int(upstream_endpoint_url.rsplit(":", 1)[1]))
     proxy.start()
     try:
         yield proxy
