@@ -93,6 +93,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
         )
 
     def stop(self, c: Any) -> None:
+        # Also on a consumer restart (broker connection lost): the shards still run, their leases stay held.
         global _keeper
         for timer in self.timers:
             timer.cancel()
@@ -100,7 +101,19 @@ class LeaseKeeper(bootsteps.StartStopStep):
         if _keeper is self:
             _keeper = None
 
-    shutdown = stop
+    def shutdown(self, c: Any) -> None:
+        # The worker is going away and its unacknowledged messages go back to the queue with the connection:
+        # their leases go too, or the reaper would send those shards a second time.
+        self.stop(c)
+        if self.client is not None:
+            for lease in self.held.values():
+                try:
+                    leases.release(self.client, lease)
+                except redis.RedisError as exc:
+                    logger.warning(
+                        "cannot release the lease of shard %d of job %s: %s", lease.shard_index, lease.job_id, exc
+                    )
+        self.held.clear()
 
     def lease_of(self, request: Request) -> leases.Lease | None:
         try:
@@ -154,21 +167,29 @@ class LeaseKeeper(bootsteps.StartStopStep):
     def reap(self) -> None:
         if self.client is None:
             return
+        connection = None
         try:
             if self.storage is None:
                 self.storage = open_storage(self.storage_url, self.settings)
-            with self.app.connection_for_write() as connection:
-                channel = connection.default_channel
 
-                def restore(lease: leases.Lease) -> bool:
-                    if not channel.client.hexists(channel.unacked_key, lease.delivery_tag):
-                        return False
-                    channel.qos.restore_by_tag(lease.delivery_tag)
-                    return True
+            def channel() -> Any:
+                nonlocal connection
+                if connection is None:  # only when a lease expired: most intervals need no broker connection
+                    connection = self.app.connection_for_write()
+                return connection.default_channel
 
-                def resend(lease: leases.Lease) -> None:
-                    self.app.send_task(lease.task, args=[lease.job_id, lease.shard_index], task_id=lease.task_id)
+            def restore(lease: leases.Lease) -> bool:
+                if not channel().client.hexists(channel().unacked_key, lease.delivery_tag):
+                    return False
+                channel().qos.restore_by_tag(lease.delivery_tag)
+                return True
 
-                leases.reap(self.client, self.storage, restore=restore, resend=resend)
+            def resend(lease: leases.Lease) -> None:
+                self.app.send_task(lease.task, args=[lease.job_id, lease.shard_index], task_id=lease.task_id)
+
+            leases.reap(self.client, self.storage, restore=restore, resend=resend)
         except Exception as exc:  # never let the reaper take the consumer down; the next interval tries again
             logger.warning("lease reaper: %s: %s", type(exc).__name__, exc)
+        finally:
+            if connection is not None:
+                connection.release()
