@@ -51,17 +51,19 @@ def make_stack(
     @contextmanager
     def make(*, workers: int = 2, redis_url: str | None = None, **overrides: object) -> Iterator[FaultStack]:
         home = tmp_path / f"home-{uuid.uuid4().hex[:6]}"
-        settings = Settings(
-            redis_url=redis_url or f"redis://127.0.0.1:{free_port()}/0",
-            storage_url=f"s3://{s3_server.bucket}/faults-{uuid.uuid4().hex[:8]}",
-            s3_endpoint_url=s3_server.endpoint_url,
-            model_path=smollm2_dir,
-            home=home,
-            inference_device="cpu",
-            worker_heartbeat_file=home / "heartbeat",
-            **overrides,  # type: ignore[arg-type]
-        )
+        fields: dict[str, object] = {
+            "redis_url": redis_url or f"redis://127.0.0.1:{free_port()}/0",
+            "storage_url": f"s3://{s3_server.bucket}/faults-{uuid.uuid4().hex[:8]}",
+            "s3_endpoint_url": s3_server.endpoint_url,
+            "model_path": smollm2_dir,
+            "home": home,
+            "inference_device": "cpu",
+            "worker_heartbeat_file": home / "heartbeat",
+        }
+        settings = Settings(**{**fields, **overrides})  # type: ignore[arg-type]
         with LocalStack(settings, workers=workers, log_dir=home / "logs", pick_free_ports=True) as stack:
-            yield FaultStack(stack, settings, open_storage(settings.storage_url, settings))
+            # The test reads storage directly, never through a fault proxy the stack may be given.
+            direct = settings.model_copy(update={"s3_endpoint_url": s3_server.endpoint_url})
+            yield FaultStack(stack, settings, open_storage(settings.storage_url, direct))
 
     yield make
