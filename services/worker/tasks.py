@@ -3,6 +3,8 @@
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -20,6 +22,7 @@ from shared.storage import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends with its message
+FAILURE_RECORD_RETRY_S = 60.0  # a shard whose dead letter could not be written runs again after this
 
 
 @dataclass
@@ -56,6 +59,23 @@ def resources() -> WorkerResources:
     )
 
 
+@contextmanager
+def failure_kept(task: Task, task_id: str, args: tuple) -> Iterator[None]:
+    """Around recording a shard's failure: if that fails too (storage or Redis down as well), the shard's message is
+    acknowledged all the same, and the shard would vanish, neither committed nor dead-lettered. Send it again."""
+    try:
+        yield
+    except Exception as exc:
+        logger.error(
+            "shard %s failed and its dead letter cannot be written (%s: %s); queued again in %.0fs",
+            task_id,
+            type(exc).__name__,
+            exc,
+            FAILURE_RECORD_RETRY_S,
+        )
+        task.apply_async(args=args, task_id=task_id, countdown=FAILURE_RECORD_RETRY_S)
+
+
 class ShardTask(Task):
     Request = LEASED_REQUEST
 
@@ -63,15 +83,16 @@ class ShardTask(Task):
         # Called once retries are exhausted or the error is not transient: record why, never drop silently.
         job_id, shard_index = args
         r = resources()
-        extraction.dead_letter(
-            job_id,
-            shard_index,
-            exc,
-            retries=self.request.retries,
-            storage=r.storage,
-            redis_client=r.redis_client,
-            worker=r.name,
-        )
+        with failure_kept(self, task_id, args):
+            extraction.dead_letter(
+                job_id,
+                shard_index,
+                exc,
+                retries=self.request.retries,
+                storage=r.storage,
+                redis_client=r.redis_client,
+                worker=r.name,
+            )
 
 
 @app.task(
@@ -106,15 +127,16 @@ class RegenerateShardTask(Task):
     def on_failure(self, exc: BaseException, task_id: str, args: tuple, kwargs: dict, einfo: Any) -> None:
         job_id, shard_index = args
         r = resources()
-        regeneration.record_task_failure(
-            job_id,
-            shard_index,
-            exc,
-            retries=self.request.retries,
-            storage=r.storage,
-            redis_client=r.redis_client,
-            worker=r.name,
-        )
+        with failure_kept(self, task_id, args):
+            regeneration.record_task_failure(
+                job_id,
+                shard_index,
+                exc,
+                retries=self.request.retries,
+                storage=r.storage,
+                redis_client=r.redis_client,
+                worker=r.name,
+            )
 
 
 @app.task(
