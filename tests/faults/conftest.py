@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from eagle3.local_stack import LocalStack
 from shared.demo_data import write_demo_dataset
-from shared.local_stack import LocalStack
 from shared.settings import Settings
 from shared.storage import open_storage
 from tests.faults import report

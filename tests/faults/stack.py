@@ -14,8 +14,8 @@ import httpx
 import psutil
 import redis
 
+from eagle3.local_stack import LocalStack
 from shared import layout, leases, progress
-from shared.local_stack import LocalStack
 from shared.schemas import Progress
 from shared.settings import Settings
 from shared.storage import Storage

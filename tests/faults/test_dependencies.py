@@ -22,7 +22,6 @@ from tests.faults.fault_proxy import fault_proxy
 from tests.faults.stack import FaultStack, wait_for
 from tests.fixtures.processes import free_port
 
-pytest_plugins = ["tests.fixtures.seaweedfs", "tests.fixtures.smollm2"]
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SHARD_TOKENS = 1500

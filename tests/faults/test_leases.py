@@ -10,8 +10,6 @@ import redis
 from shared import layout, leases, progress
 from shared.storage import open_storage
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 def lease(shard_index: int = 3, holder: str = "host:1:aa", tag: str = "tag-1") -> leases.Lease:
     return leases.Lease(

@@ -13,7 +13,6 @@ from tests.faults.conftest import MakeStack
 from tests.faults.fault_proxy import Fault, FaultProxy, fault_proxy
 from tests.faults.stack import FaultStack, wait_for
 
-pytest_plugins = ["tests.fixtures.seaweedfs", "tests.fixtures.smollm2"]
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SHARD_TOKENS = 1500

@@ -38,7 +38,7 @@ def test_up_restarts_a_dead_worker_and_keeps_the_rest(tiny_model_dir: Path, tmp_
     terminal = tmp_path / "terminal.txt"
     with terminal.open("wb") as out:
         up = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--workers", "2"],
+            [sys.executable, "-m", "eagle3", "up", "--workers", "2"],
             cwd=REPO_ROOT,
             env=env,
             stdout=out,

@@ -4,14 +4,12 @@ killed (recovered by the other worker, and by a restarted one), one shard delive
 from pathlib import Path
 
 import pytest
-from celery import Celery
 
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK
+from shared.queue import ShardSender
 from shared.settings import Settings
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack
 
-pytest_plugins = ["tests.fixtures.seaweedfs", "tests.fixtures.smollm2"]
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SHARD_TOKENS = 1500  # about 8 shards of the 60 conversations, several seconds each on a CPU
@@ -72,9 +70,9 @@ def test_one_shard_delivered_five_times_at_once(make_stack: MakeStack, chats: Pa
     row = fault_table("duplicate-delivery storm (one shard x5)")
     with make_stack(workers=2, worker_concurrency=2) as stack:
         job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
-        sender = Celery(broker=stack.settings.redis_url)
+        sender = ShardSender(stack.settings.redis_url)
         for _ in range(5):
-            sender.send_task(EXTRACT_TASK, args=[job_id, 0], queue=EXTRACT_QUEUE)
+            sender.send("extract", job_id, 0)
         p = stack.wait(job_id, supervise=False)
         row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
     assert row.audit.clean, row.audit.explain()

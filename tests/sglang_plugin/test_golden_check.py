@@ -6,9 +6,6 @@ import golden_check
 import torch
 
 from shared.capture_protocol import CapturedStates
-from tests.fixtures.reference_server import reference_server_url, reference_shm_dir
-
-__all__ = ["reference_server_url", "reference_shm_dir"]  # session fixtures for this module
 
 L, H, N = 6, 4, 6
 
