@@ -31,4 +31,5 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
+app.steps["consumer"].add("services.worker.presence:WorkerPresence")  # worker registry and shard metrics
 app.steps["consumer"].add("services.worker.leasing:LeaseKeeper")  # shard leases and their reaper: see leasing.py
