@@ -3,6 +3,9 @@
     python healthcheck.py api        GET http://127.0.0.1:$EAGLE3_API_PORT/health        (default 8000)
     python healthcheck.py inference  GET http://127.0.0.1:$EAGLE3_INFERENCE_PORT/health  (default 30000)
     python healthcheck.py redis      PING the Redis at $EAGLE3_REDIS_URL
+    python healthcheck.py auto       the check of the eagle3 command running as PID 1 (the image's HEALTHCHECK):
+                                     api, inference as above; worker: `eagle3 worker-probe`; train: redis;
+                                     any other command (prepare-model, a one-shot) has no check and passes
 
 Exit 0 when healthy, 1 with the reason otherwise (Docker keeps the output in `docker inspect`).
 """
@@ -12,6 +15,7 @@ import socket
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from urllib.parse import urlparse
 
 TIMEOUT_S = 5.0
@@ -43,11 +47,36 @@ def redis_ok() -> str | None:
     return None if answer.startswith(b"+PONG") else f"redis {url.hostname}:{url.port}: answered {answer!r}"
 
 
+def running_command(cmdline: bytes) -> str | None:
+    """The eagle3 subcommand in a /proc/<pid>/cmdline, e.g. `python /opt/venv/bin/eagle3 worker` -> "worker"."""
+    argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+    for i, arg in enumerate(argv[:-1]):
+        if os.path.basename(arg) == "eagle3":
+            return argv[i + 1]
+    return None
+
+
+def auto_ok() -> str | None:
+    try:
+        command = running_command(Path("/proc/1/cmdline").read_bytes())
+    except OSError as exc:
+        return f"cannot read the container's command: {exc}"
+    if command == "worker":
+        os.execvp("eagle3", ["eagle3", "worker-probe", "--max-age", "120"])  # its exit status is the verdict
+    checks = {
+        "api": lambda: http_ok("EAGLE3_API_PORT", 8000),
+        "inference": lambda: http_ok("EAGLE3_INFERENCE_PORT", 30000),
+        "train": redis_ok,
+    }
+    return checks[command]() if command in checks else None
+
+
 def main(argv: list[str]) -> int:
     checks = {
         "api": lambda: http_ok("EAGLE3_API_PORT", 8000),
         "inference": lambda: http_ok("EAGLE3_INFERENCE_PORT", 30000),
         "redis": redis_ok,
+        "auto": auto_ok,
     }
     if len(argv) != 1 or argv[0] not in checks:
         print(f"usage: healthcheck.py {{{','.join(checks)}}}", file=sys.stderr)

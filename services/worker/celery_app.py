@@ -25,8 +25,12 @@ app.conf.update(
     task_default_queue=EXTRACT_QUEUE,
     # One queue for both kinds of shard: every worker takes either, and KEDA scales on one list.
     task_routes={EXTRACT_TASK: {"queue": EXTRACT_QUEUE}, REGENERATE_TASK: {"queue": EXTRACT_QUEUE}},
+    # SIGTERM (REMAP_SIGTERM=SIGQUIT in the images) with a shard running: wait this long, then cancel it and put
+    # it back on the queue. Celery sleeps the whole timeout even if the shard ends sooner. An idle worker skips
+    # the wait and exits at once: closing its broker channel re-queues whatever it held unacknowledged (a
+    # prefetched shard, a retry waiting for its countdown), which tests/deploy/test_worker_shutdown.py checks.
     worker_soft_shutdown_timeout=settings.soft_shutdown_timeout_s,
-    worker_enable_soft_shutdown_on_idle=True,
+    worker_enable_soft_shutdown_on_idle=False,
     worker_send_task_events=True,
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
