@@ -109,8 +109,8 @@ def test_torch_comes_from_a_configurable_cpu_index() -> None:
     torch_runs = [i for i in runs if "torch==" in i.args]
     assert len(torch_runs) == 1 and runs.index(torch_runs[0]) == 0
     assert '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in torch_runs[0].args
-    (build,) = [s for s in stages if s.name == "build"]
-    args = dict(i.args.partition("=")[::2] for i in build.instructions if i.keyword == "ARG")
+    (deps,) = [s for s in stages if s.name == "deps"]
+    args = dict(i.args.partition("=")[::2] for i in deps.instructions if i.keyword == "ARG")
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert {"PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX"} <= set(args)
     # docker/wheels, the optional local wheelhouse, is mounted wherever pip installs.
@@ -127,7 +127,7 @@ def _final_stage() -> tuple[list, object]:
 
 def test_one_image_runs_every_service_with_a_healthcheck() -> None:
     stages, image = _final_stage()
-    assert [s.name for s in stages] == ["build", "eagle3"], "one build stage and one image"
+    assert [s.name for s in stages] == ["deps", "project", "runtime-env", "eagle3"]
     cmd = effective(stages, image, "CMD")
     assert cmd is not None and cmd.args.lstrip().startswith("["), "CMD must be exec form"
     assert cmd.words() == ["eagle3", "--help"]
@@ -137,10 +137,13 @@ def test_one_image_runs_every_service_with_a_healthcheck() -> None:
     assert probe == ["python", "/usr/local/lib/eagle3/healthcheck.py", "auto"]
     copied = [i for i in image.instructions if i.keyword == "COPY" and "healthcheck.py" in i.args]
     assert copied and copied[0].words()[-1] == probe[1]
-    # Nothing is installed in the image stage: it copies the finished virtual environment, no compiler, no pip.
+    # Nothing is installed in the image stage: it copies the finished environment (without pip), then the
+    # project over it as a layer of its own (a source change ships that small layer only).
     assert not [i for i in image.instructions if i.keyword == "RUN" and re.search(r"apt-get|pip |apk ", i.args)]
-    from_build = [i for i in image.instructions if i.keyword == "COPY" and i.flags().get("from") == "build"]
-    assert [i.words() for i in from_build] == [["/opt/venv", "/opt/venv"]]
+    copies = [(i.flags().get("from"), i.words()) for i in image.instructions if i.keyword == "COPY"]
+    assert copies[:2] == [("runtime-env", ["/opt/venv", "/opt/venv"]), ("project", ["/opt/project", "/opt/venv"])]
+    (runtime_env,) = [s for s in stages if s.name == "runtime-env"]
+    assert [i.args for i in runtime_env.instructions] == ["pip uninstall --yes --quiet pip"]
 
 
 def test_image_remaps_sigterm_to_the_workers_soft_shutdown() -> None:
