@@ -244,16 +244,16 @@ def test_api_refuses_a_job_without_the_token(stack: Stack, tmp_path: Path) -> No
 def test_demo_job_through_the_published_api_matches_the_model(
     stack: Stack, tmp_path: Path, smollm2_dir: Path, reference: HFReference
 ) -> None:
-    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24)
+    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=16)
     started = time.monotonic()
     job = stack.submit(dataset)
     progress = stack.wait_finished(job["job_id"], timeout_s=600)
-    TIMINGS_S["job 1: 24 demo conversations, 1 worker"] = time.monotonic() - started
+    TIMINGS_S["job 1: 16 demo conversations, 1 worker"] = time.monotonic() - started
     assert progress["state"] == "completed", progress
 
     storage = stack.export(job["job_id"], tmp_path / "storage")
     record, manifests = check_job(storage, job["job_id"], dataset, smollm2_dir, reference)
-    assert progress["samples_done"] == record.samples_total == 24
+    assert progress["samples_done"] == record.samples_total == 16
     assert progress["tokens_done"] == record.tokens_total == sum(m.num_tokens for m in manifests)
 
 
@@ -261,11 +261,11 @@ def test_three_workers_share_a_job(stack: Stack, tmp_path: Path, smollm2_dir: Pa
     stack.timed("scale to 3 workers (up -d --wait --scale worker=3)", "up", "-d", "--wait", "--scale", "worker=3")
     assert len(stack.containers("worker")) == 3
 
-    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=48, seed=1)
+    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=1)
     started = time.monotonic()
     job = stack.submit(dataset, shard_token_budget=256)
     progress = stack.wait_finished(job["job_id"], timeout_s=600)
-    TIMINGS_S[f"job 2: 48 conversations, {job['shards_total']} shards, 3 workers"] = time.monotonic() - started
+    TIMINGS_S[f"job 2: 24 conversations, {job['shards_total']} shards, 3 workers"] = time.monotonic() - started
     assert progress["state"] == "completed", progress
 
     storage = stack.export(job["job_id"], tmp_path / "storage")
@@ -277,14 +277,15 @@ def test_three_workers_share_a_job(stack: Stack, tmp_path: Path, smollm2_dir: Pa
     JOBS["three workers"] = job["job_id"]  # the trainer's job, below
 
 
-def held_shard_container(logs: str) -> str | None:
-    """A worker container that has received a task and not yet finished it (Celery's INFO lines)."""
+def held_shard_container(logs: str, job_id: str) -> str | None:
+    """A worker container that has received one of the job's shards and not yet finished it (Celery's INFO lines;
+    a shard's task id is `<job id>:shard:<index>`)."""
     received: dict[str, str] = {}
     for line in logs.splitlines():
         container, _, message = line.partition("|")
-        if match := re.search(r"Task [\w.]+\[([0-9a-f-]+)\] received", message):
+        if match := re.search(rf"Task [\w.]+\[({re.escape(job_id)}:[^\]]+)\] received", message):
             received[match.group(1)] = container.strip()
-        elif match := re.search(r"Task [\w.]+\[([0-9a-f-]+)\] (succeeded|retry|raised)", message):
+        elif match := re.search(r"Task [\w.]+\[([^\]]+)\] (succeeded|retry|raised)", message):
             received.pop(match.group(1), None)
     return next(iter(received.values()), None)
 
@@ -297,23 +298,25 @@ def test_killed_worker_shard_is_recovered_and_committed_once(stack: Stack, tmp_p
             "shard leases (shared/leases.py) are not in this checkout: without them a killed worker's shard waits "
             "out the 4-hour visibility timeout"
         )
-    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=48, seed=2)
+    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=2)
     job = stack.submit(dataset, shard_token_budget=256)
     victim: list[str] = []
 
     def a_worker_holds_a_shard() -> bool:
-        container = held_shard_container(stack.worker_logs())
+        container = held_shard_container(stack.worker_logs(), job["job_id"])
         if container:
             victim.append(container)
         return bool(container)
 
     wait_for(a_worker_holds_a_shard, timeout_s=120, what="a worker holding a shard")
+    # `compose logs` prefixes lines with the service and index (worker-2), the container is <project>-worker-2.
+    (container,) = [c for c in stack.containers("worker") if c.endswith(f"-{victim[-1]}")]
     killed_at = time.monotonic()
-    subprocess.run(["docker", "kill", victim[0]], check=True, capture_output=True, timeout=60)
+    subprocess.run(["docker", "kill", container], check=True, capture_output=True, timeout=60)
     progress = stack.wait_finished(
         job["job_id"],
         timeout_s=420,
-        why=f" after docker kill {victim[0]}: its shard should have been re-queued when its lease ran out",
+        why=f" after docker kill {container}: its shard should have been re-queued when its lease ran out",
     )
     TIMINGS_S["job 3: completed after a worker was killed mid-shard"] = time.monotonic() - killed_at
     assert progress["state"] == "completed", progress
@@ -325,7 +328,7 @@ def test_killed_worker_shard_is_recovered_and_committed_once(stack: Stack, tmp_p
 
 
 def test_redis_restart_mid_job_loses_nothing(stack: Stack, tmp_path: Path) -> None:
-    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=96, seed=3)
+    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=32, seed=3)
     job = stack.submit(dataset, shard_token_budget=256)
     job_id = job["job_id"]
     wait_for(

@@ -3,14 +3,17 @@
 import http.server
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -250,6 +253,14 @@ def test_healthcheck_pings_redis(redis_url: str) -> None:
     assert _healthcheck("redis", {"EAGLE3_REDIS_URL": down}).returncode == 1
 
 
+def _load_healthcheck() -> Any:
+    spec = importlib.util.spec_from_file_location("eagle3_healthcheck", HEALTHCHECK_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize(
     ("cmdline", "command"),
     [
@@ -260,8 +271,24 @@ def test_healthcheck_pings_redis(redis_url: str) -> None:
     ],
 )
 def test_auto_healthcheck_reads_the_running_eagle3_command(cmdline: bytes, command: str | None) -> None:
-    spec = importlib.util.spec_from_file_location("eagle3_healthcheck", HEALTHCHECK_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.running_command(cmdline) == command
+    assert _load_healthcheck().running_command(cmdline) == command
+
+
+@pytest.mark.parametrize(("age_s", "passes"), [pytest.param(0, True, id="fresh"), pytest.param(200, False, id="stale")])
+def test_worker_healthcheck_agrees_with_the_worker_probe(tmp_path: Path, age_s: float, passes: bool) -> None:
+    from services.worker.heartbeat import DEFAULT_MAX_AGE_S, stale_reason
+    from shared.settings import Settings
+
+    path = tmp_path / "heartbeat"
+    path.touch()
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    result = _healthcheck("worker", {"EAGLE3_WORKER_HEARTBEAT_FILE": str(path)})
+    assert (result.returncode == 0) is passes is (stale_reason(path, DEFAULT_MAX_AGE_S) is None), result.stderr
+    if not passes:
+        assert "not consuming" in result.stderr
+    missing = _healthcheck("worker", {"EAGLE3_WORKER_HEARTBEAT_FILE": str(tmp_path / "missing")})
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    # Without the variable it looks where the worker writes by default.
+    module = _load_healthcheck()
+    assert Path(module.WORKER_HEARTBEAT_FILE) == Settings(_env_file=None).worker_heartbeat_file
+    assert module.WORKER_MAX_AGE_S == DEFAULT_MAX_AGE_S
