@@ -71,6 +71,9 @@ class Stack:
 
     def __init__(self, directory: Path, name: str, api_port: int, prometheus_port: int, token: str) -> None:
         self.directory, self.name, self.token = directory, name, token
+        # Anonymous volumes carry no project label: compare the engine's volumes before and after instead.
+        self.volumes_before = docker_volumes()
+        self.server_errors: list[str] = []  # 5xx answers of the API while waiting for a job
         self.prometheus_url = f"http://127.0.0.1:{prometheus_port}"
         self.api = httpx.Client(
             base_url=f"http://127.0.0.1:{api_port}", timeout=60, headers={"Authorization": f"Bearer {token}"}
@@ -120,10 +123,16 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                progress = self.progress(job_id)
-            except httpx.TransportError:  # the producer reconnecting (a Redis restart)
+                response = self.api.get(f"/v1/jobs/{job_id}")
+            except httpx.TransportError:  # the producer busy or restarting
                 time.sleep(1)
                 continue
+            if response.status_code >= 500:  # Redis restarting or loading its AOF: counted, then asked again
+                self.server_errors.append(f"{response.status_code} {response.text[:200]}")
+                time.sleep(1)
+                continue
+            assert response.status_code == 200, response.text
+            progress = response.json()["progress"]
             if progress["state"] in FINISHED:
                 return progress
             time.sleep(1)
@@ -145,6 +154,12 @@ class Stack:
 
     def worker_logs(self) -> str:
         return self.compose("logs", "--no-color", "worker").stdout
+
+
+def docker_volumes() -> set[str]:
+    listing = subprocess.run(["docker", "volume", "ls", "--quiet"], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0, listing.stderr
+    return set(listing.stdout.split())
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, interval_s: float = 1.0) -> None:
@@ -183,6 +198,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield stack
     finally:
         stack.api.close()
+        # Every container's log, kept with pytest's temporary folders for a post-mortem.
+        with (directory / "compose.log").open("wb") as log:
+            subprocess.run(
+                ["docker", "compose", "--project-name", stack.name, "--profile", "*", "logs", "--no-color", "-t"],
+                cwd=directory,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+            )
         # Whatever a failed test left, every profile included (the same command docs/deployment.md gives).
         subprocess.run(
             ["docker", "compose", "--project-name", stack.name, "--profile", "*", "down", "-v", "--timeout", "10"],
@@ -339,7 +363,9 @@ def test_redis_restart_mid_job_loses_nothing(stack: Stack, tmp_path: Path) -> No
     )
     before = stack.progress(job_id)
     stack.timed("redis container restart (AOF reload)", "restart", "redis")
+    errors_before = len(stack.server_errors)
     progress = stack.wait_finished(job_id, timeout_s=600, why=" after the Redis restart")
+    TIMINGS_S["API 5xx answers while Redis restarted (count, not seconds)"] = len(stack.server_errors) - errors_before
     assert progress["state"] == "completed", progress
     assert progress["shards_committed"] >= before["shards_committed"]
 
@@ -412,3 +438,4 @@ def test_down_removes_every_profile_and_volume(stack: Stack) -> None:
             ["docker", *what, "--quiet", "--filter", label], capture_output=True, text=True, timeout=60, check=True
         )
         assert listing.stdout.strip() == "", f"docker {' '.join(what)} after down -v: {listing.stdout}"
+    assert docker_volumes() <= stack.volumes_before, "down -v left anonymous volumes"
