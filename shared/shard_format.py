@@ -11,10 +11,10 @@ import io
 
 import torch
 
+from shared.capture_protocol import NUM_AUX_LAYERS
 from shared.errors import Eagle3Error
 
 HIDDEN_DTYPE = torch.bfloat16
-NUM_AUX_LAYERS = 3
 
 
 class InvalidCapture(Eagle3Error):

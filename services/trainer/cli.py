@@ -36,7 +36,7 @@ _TRAIN_OPTIONS: dict[str, tuple[type, str]] = {
 
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer.train import TrainConfig, train
-    from shared.regeneration import training_job_id
+    from shared.kinds.regenerate import training_job_id
     from shared.storage import open_storage
 
     given: dict[str, Any] = {name: getattr(args, name) for name in _TRAIN_OPTIONS if getattr(args, name) is not None}
@@ -83,7 +83,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train an EAGLE-3 drafter from a job's committed shards",
-        description="Also runs under `torchrun --nproc_per_node N -m services.cli train ...` (DDP).",
+        description="Also runs under `torchrun --nproc_per_node N -m eagle3 train ...` (DDP).",
     )
     p.add_argument("--job", required=True, help="an extraction job, or a regenerate job with then_extract")
     p.add_argument("--follow", action="store_true", help="keep taking shards as they are committed until the job ends")

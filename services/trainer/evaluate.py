@@ -21,7 +21,7 @@ Bookkeeping of one decoding step, with n = len(tokens) (the last token is the ta
 Checked against (read, not copied): sgl-project/sglang@00559ea python/sglang/srt/speculative/eagle_worker.py (target
 extend with full hidden-state capture, then a draft extend on the target's states of the accepted tokens after each
 verification); sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.py (TTT positions t + i, which
-decoding must match). SGLang's published accept lengths (shared/reference/specforge_sglang.md) count the bonus token.
+decoding must match). SGLang's published accept lengths count the bonus token too.
 """
 
 import logging

@@ -39,13 +39,12 @@ from tests.compose.conftest import TIMINGS_S
 from tests.fixtures.processes import free_port
 from tests.reference_checks import HFReference, assert_matches_layers
 
-pytest_plugins = ["tests.fixtures.smollm2"]
 pytestmark = [pytest.mark.compose, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 # What a checkout needs for `docker compose build` and `up` (the build context is narrowed by .dockerignore).
 PROJECT_FILES = ("docker-compose.yml", ".env.example", ".dockerignore", "pyproject.toml", "README.md")
-PROJECT_DIRS = ("docker", "shared", "services")
+PROJECT_DIRS = ("docker", "shared", "services", "eagle3")
 FINISHED = {"completed", "completed_with_errors", "cancelled", "failed"}
 # Jobs one test leaves for a later one (the tests run in file order on one stack).
 JOBS: dict[str, str] = {}

@@ -30,8 +30,6 @@ from tests.deploy.tools import (
 )
 from tests.fixtures.processes import free_port
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 HEALTHCHECK_SCRIPT = REPO / "docker" / "healthcheck.py"
 
 
@@ -175,7 +173,7 @@ def test_project_wheel_carries_the_files_the_services_read(tmp_path: Path) -> No
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    for package in ("shared", "services"):
+    for package in ("shared", "services", "eagle3"):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", "."],
@@ -189,7 +187,7 @@ def test_project_wheel_carries_the_files_the_services_read(tmp_path: Path) -> No
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     data_files = {
         str(p.relative_to(REPO))
-        for package in ("shared", "services")
+        for package in ("shared", "services", "eagle3")
         for p in (REPO / package).rglob("*")
         if p.is_file()
         and p.suffix not in (".py", ".pyc")

@@ -15,17 +15,15 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK
+from shared.queue import SHARD_QUEUE, task_name
 from shared.settings import Settings
 from tests.fixtures.processes import wait_until
-
-pytest_plugins = ["tests.fixtures.redis_server"]
 
 UNACKED = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
 
 
 def queued_task_names(client: redis.Redis) -> list[str]:
-    return [json.loads(m)["headers"]["task"] for m in client.lrange(EXTRACT_QUEUE, 0, -1)]
+    return [json.loads(m)["headers"]["task"] for m in client.lrange(SHARD_QUEUE, 0, -1)]
 
 
 def test_idle_worker_exits_without_the_soft_timeout_and_requeues_a_held_retry(redis_url: str, tmp_path: Path) -> None:
@@ -45,7 +43,7 @@ def test_idle_worker_exits_without_the_soft_timeout_and_requeues_a_held_retry(re
     sender = Celery(broker=redis_url)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "worker", "--name", name, "--concurrency", "1"],
+            [sys.executable, "-m", "eagle3", "worker", "--name", name, "--concurrency", "1"],
             env=env,
             cwd=tmp_path,  # no .env of the checkout
             stdout=log,
@@ -55,8 +53,8 @@ def test_idle_worker_exits_without_the_soft_timeout_and_requeues_a_held_retry(re
             wait_until(heartbeat.exists, timeout_s=60)  # consuming
             # A shard whose retry countdown has not run out: the worker holds it, unacknowledged, without running it.
             job_args = ["job-20260101-000000-deadbeef", 0]
-            sender.send_task(EXTRACT_TASK, args=job_args, queue=EXTRACT_QUEUE, countdown=3600)
-            wait_until(lambda: client.hlen(UNACKED) == 1 and client.llen(EXTRACT_QUEUE) == 0, timeout_s=30)
+            sender.send_task(task_name("extract"), args=job_args, queue=SHARD_QUEUE, countdown=3600)
+            wait_until(lambda: client.hlen(UNACKED) == 1 and client.llen(SHARD_QUEUE) == 0, timeout_s=30)
 
             stop_sent = time.monotonic()
             process.send_signal(signal.SIGTERM)
@@ -72,5 +70,5 @@ def test_idle_worker_exits_without_the_soft_timeout_and_requeues_a_held_retry(re
     assert "Initiating Soft Shutdown" not in output, output[-3000:]
     assert stopped_after_s < soft_timeout_s, f"an idle worker took {stopped_after_s:.1f}s to stop: {output[-3000:]}"
     # The held shard is back on the queue for the next worker, and nothing is left unacknowledged.
-    assert queued_task_names(client) == [EXTRACT_TASK]
+    assert queued_task_names(client) == [task_name("extract")]
     assert client.hlen(UNACKED) == 0
