@@ -128,7 +128,7 @@ def _final_stage() -> tuple[list, object]:
 
 def test_one_image_runs_every_service_with_a_healthcheck() -> None:
     stages, image = _final_stage()
-    assert [s.name for s in stages] == ["deps", "project", "runtime-env", "eagle3"]
+    assert [s.name for s in stages] == ["requirements", "deps", "project", "runtime-env", "eagle3"]
     cmd = effective(stages, image, "CMD")
     assert cmd is not None and cmd.args.lstrip().startswith("["), "CMD must be exec form"
     assert cmd.words() == ["eagle3", "--help"]
