@@ -39,7 +39,9 @@ from tests.compose.conftest import TIMINGS_S
 from tests.fixtures.processes import free_port
 from tests.reference_checks import HFReference, assert_matches_layers
 
-pytestmark = [pytest.mark.compose, pytest.mark.slow]
+# Each step waits on the real engine with bounded waits of its own; on a loaded 2-core machine one step took over
+# the suite's 600 s default (the three-worker job: scale-up, 439 s of extraction, the reference check).
+pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 # What a checkout needs for `docker compose build` and `up` (the build context is narrowed by .dockerignore).
