@@ -6,7 +6,7 @@ EAGLE3 := $(VENV)/bin/eagle3
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install demo test test-fast lint bench clean up down logs k8s-render k8s-validate
+.PHONY: install install-browser demo test test-fast lint bench clean up down logs k8s-render k8s-validate
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Debian's Chromium for the dashboard's browser tests (tests/browser; Playwright drives /usr/bin/chromium).
+install-browser:
+	test -x /usr/bin/chromium || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 demo: install
 	$(EAGLE3) demo

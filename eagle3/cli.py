@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from eagle3 import demo
+from eagle3 import demo, doctor
 from eagle3 import jobs as jobs_cli
 from services.trainer import cli as trainer_cli
 from services.worker import cli as worker_cli
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_cli.add_parsers(sub)
     demo.add_parsers(sub)
     trainer_cli.add_parsers(sub)
+    doctor.add_parsers(sub)
     return parser
 
 

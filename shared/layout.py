@@ -79,3 +79,18 @@ def chained_job_id(job_id: str) -> str:
     """The id of the extraction job a regenerate job submits on its output: deterministic, so submitting is
     idempotent."""
     return f"{job_id}-extract"
+
+
+# Trainer runs (services/trainer): checkpoints and curves of run RUN of a job.
+
+
+def trainer_prefix(job_id: str) -> str:
+    return f"{job_id}/trainer/"
+
+
+def trainer_latest(job_id: str, run_name: str) -> str:
+    return f"{job_id}/trainer/{run_name}/checkpoints/latest.json"
+
+
+def trainer_curves(job_id: str, run_name: str) -> str:
+    return f"{job_id}/trainer/{run_name}/checkpoints/curves.html"

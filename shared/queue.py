@@ -1,9 +1,12 @@
 """The shard queue: its name, the task names and ids, and the send-only client the producer enqueues with."""
 
+import time
+
 from celery import Celery
 
 # Every kind's shards travel on one queue, so that every worker takes either and KEDA scales on one list.
 SHARD_QUEUE = "eagle3.extract"
+SENT_TS_HEADER = "eagle3_sent_ts"  # when a shard message was sent: the queue's oldest-message age (shared/cluster.py)
 
 
 def task_name(kind: str) -> str:
@@ -26,5 +29,9 @@ class ShardSender:
 
     def send(self, kind: str, job_id: str, shard_index: int) -> None:
         self._app.send_task(
-            task_name(kind), args=[job_id, shard_index], queue=SHARD_QUEUE, task_id=task_id(kind, job_id, shard_index)
+            task_name(kind),
+            args=[job_id, shard_index],
+            queue=SHARD_QUEUE,
+            task_id=task_id(kind, job_id, shard_index),
+            headers={SENT_TS_HEADER: time.time()},
         )

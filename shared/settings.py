@@ -77,8 +77,11 @@ class Settings(BaseSettings):
     # Target model default (a local Hugging Face folder)
     model_path: Path | None = None
     progress_window_s: float = 60.0
+    stall_after_s: float = Field(
+        default=900.0, gt=0, description="a queued or running job that commits nothing for this long is stalled"
+    )
     demo_regenerate: bool = Field(
-        default=False, description="`eagle3 demo` regenerates the demo conversations with the target first"
+        default=True, description="`eagle3 demo` regenerates the demo conversations with the target first"
     )
 
     @model_validator(mode="after")

@@ -35,3 +35,4 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
+app.steps["consumer"].add("services.worker.presence:WorkerPresence")  # worker registry and shard metrics

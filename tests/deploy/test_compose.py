@@ -81,7 +81,7 @@ def test_each_profile_selects_one_inference_backend() -> None:
         assert "inference" in services[name]["networks"]["default"]["aliases"]
         assert services["worker"]["environment"]["EAGLE3_INFERENCE_URL"] == "http://inference:30000"
     monitoring = compose_config(("monitoring",))["services"]
-    assert {"flower", "prometheus"} <= set(monitoring)
+    assert {"flower", "prometheus", "grafana"} <= set(monitoring)
 
 
 def test_worker_can_be_scaled(config: dict[str, Any]) -> None:
@@ -215,7 +215,7 @@ def test_long_running_services_restart(config: dict[str, Any]) -> None:
 
 def test_only_the_producer_and_monitoring_publish_ports(config: dict[str, Any]) -> None:
     published = {name for name, s in config["services"].items() if s.get("ports")}
-    assert published == {"producer", "flower", "prometheus"}
+    assert published == {"producer", "flower", "prometheus", "grafana"}
     assert config["services"]["producer"]["ports"][0]["target"] == Settings().api_port
 
 
