@@ -49,6 +49,13 @@ bench: install
 	$(PY) -m bench.trainer_throughput
 	$(PY) -m bench.regenerate
 
+# The compose end-to-end test on a real Docker engine (tests/compose; skipped, with the reason, when no daemon
+# answers). ../shared/tools/container-engine/container-engine.sh setup starts one where the machine has it.
+.PHONY: test-compose
+test-compose: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m pytest -q tests/compose
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
