@@ -6,7 +6,7 @@ EAGLE3 := $(VENV)/bin/eagle3
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install install-browser demo test test-fast lint bench clean up down logs k8s-render k8s-validate
+.PHONY: install install-browser demo test test-fast lint bench clean up down logs k8s-render k8s-validate faults
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q --durations=15
 
+# Fault-injection scenarios over real processes; prints the fault table (also build/faults.json).
+# `-o addopts=` lifts the default `-m 'not faults'`; the trainer's resume test is the trainer's fault row.
+faults: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m pytest -q -o addopts= -p tests.faults.report tests/faults \
+		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run
+
 # Everything not marked slow (no real model, no stack of processes): the loop while editing.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" --durations=10
@@ -41,6 +48,13 @@ bench: install
 	$(PY) -m bench.data_path --tokens 1024 --hidden 4096 --samples 8
 	$(PY) -m bench.trainer_throughput
 	$(PY) -m bench.regenerate
+
+# The compose end-to-end test on a real Docker engine (tests/compose; skipped, with the reason, when no daemon
+# answers). ../shared/tools/container-engine/container-engine.sh setup starts one where the machine has it.
+.PHONY: test-compose
+test-compose: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m pytest -q tests/compose
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -42,7 +42,11 @@ def progress_table(p: JobProgress) -> Table:
             f"{p.samples_done} / {p.samples_total} committed, {p.samples_rejected} rejected, {p.samples_failed} failed",
         ),
         ("tokens", f"{p.tokens_done} / {p.tokens_total} ({p.tokens_failed} failed)"),
-        ("shards", f"{p.shards_committed} / {p.shards_total} committed, {p.shards_dead_lettered} dead-lettered"),
+        (
+            "shards",
+            f"{p.shards_committed} / {p.shards_total} committed, {p.shards_dead_lettered} dead-lettered, "
+            f"{p.shards_rerun} re-run",
+        ),
         ("rate", f"{p.tokens_per_second:.0f} tokens/s, ETA {eta}, elapsed {p.elapsed_seconds:.0f} s"),
         (
             "storage",
@@ -268,10 +272,11 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
                 f"stack up: producer {stack.api_url} (dashboard {stack.api_url}/dashboard), "
                 f"inference {stack.env['EAGLE3_INFERENCE_URL']}, {args.workers} workers; logs in "
                 f"{settings.home / 'logs'}. Datasets: under {', '.join(settings.dataset_roots)} or "
-                "`eagle3 submit --upload`. Ctrl-C stops everything."
+                "`eagle3 submit --upload`. A process that exits is restarted; Ctrl-C stops everything."
             )
             while True:
-                stack.check_alive()
+                for line in stack.supervise():
+                    console.print(f"[yellow]{line}[/yellow]")
                 time.sleep(1)
     except KeyboardInterrupt:
         console.print("stopped")

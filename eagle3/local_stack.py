@@ -1,5 +1,9 @@
 """The whole stack as local processes: Redis (reused if reachable), the reference inference server,
-N Celery workers and the producer API. Stops everything it started, in reverse order, on exit."""
+N Celery workers and the producer API. Stops everything it started, in reverse order, on exit.
+
+`supervise()` is a restart policy like compose's `restart: unless-stopped`: a process that exits is started again
+with the same command and log file, after a back-off that doubles with each quick death (1 s up to 30 s) and resets
+once the process has stayed up for a minute; the others go on meanwhile."""
 
 import contextlib
 import json
@@ -11,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from urllib.parse import urlparse
@@ -23,6 +28,9 @@ from shared.errors import Eagle3Error
 from shared.settings import Settings
 
 logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = (1.0, 30.0)  # first and longest wait before starting a dead process again
+STABLE_AFTER_S = 60.0  # a process up this long has recovered: its next death waits the shortest back-off again
 
 
 class StackError(Eagle3Error):
@@ -65,6 +73,8 @@ class LocalStack:
         self.pick_free_ports = pick_free_ports
         self.extra_env = extra_env or {}
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.commands: dict[str, list[str]] = {}
+        self.restarts: dict[str, _Restarts] = {}
         self.env: dict[str, str] = {}
         # The API is closed like any other: the configured token, else one for this session.
         self.api_token: str | None = None
@@ -171,12 +181,42 @@ class LocalStack:
         return url
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = (self.log_dir / f"{name}.log").open("ab")
-        # A session of its own: Ctrl-C reaches only us, and we stop the children in order.
-        process = subprocess.Popen(
-            argv, env=self.env or None, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self.processes.append((name, process))
+        self.commands[name] = argv
+        self.processes.append((name, self._popen(name, argv)))
+
+    def _popen(self, name: str, argv: list[str]) -> subprocess.Popen:
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            # A session of its own: Ctrl-C reaches only us, and we stop the children in order.
+            return subprocess.Popen(
+                argv, env=self.env or None, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def supervise(self) -> list[str]:
+        """Restart every process that exited once its back-off has passed; returns what happened, one line each
+        (also logged). Call it periodically; a process being waited for is not restarted twice."""
+        now = time.monotonic()
+        lines = []
+        for position, (name, process) in enumerate(self.processes):
+            state = self.restarts.setdefault(name, _Restarts(started_at=now))
+            if process.poll() is None:
+                if state.failures and now - state.started_at >= STABLE_AFTER_S:
+                    state.failures = 0
+                continue
+            if state.restart_at is None:
+                state.restart_at = now + state.backoff_s()
+                state.failures += 1
+                lines.append(
+                    f"{name} exited with code {process.returncode}; restarting it in {state.restart_at - now:.0f}s "
+                    f"(restart {state.failures}), the rest go on; see {self.log_dir / (name + '.log')}"
+                )
+            elif now >= state.restart_at:
+                # _popen appends to the same log, so the dead process's last lines stay above the new ones.
+                self.processes[position] = (name, self._popen(name, self.commands[name]))
+                state.restart_at, state.started_at = None, now
+                lines.append(f"{name} restarted (pid {self.processes[position][1].pid})")
+        for line in lines:
+            logger.warning("%s", line)
+        return lines
 
     def _wait(self, name: str, ready: Callable[[], bool], *, timeout_s: float) -> None:
         process = dict(self.processes)[name]
@@ -207,6 +247,19 @@ class LocalStack:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
         self.processes.clear()
+
+
+@dataclass
+class _Restarts:
+    """One supervised process's restart history."""
+
+    started_at: float
+    failures: int = 0  # deaths since it last stayed up STABLE_AFTER_S
+    restart_at: float | None = None  # set while it waits out its back-off
+
+    def backoff_s(self) -> float:
+        first, longest = RESTART_BACKOFF_S
+        return min(first * 2**self.failures, longest)
 
 
 def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:

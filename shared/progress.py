@@ -61,7 +61,9 @@ def events_key(job_id: str) -> str:
 
 # Counting happens in one script so a redelivered shard, or two workers committing the same shard,
 # can never count twice: set membership decides, atomically, whether this commit is the first.
+# A job Redis no longer knows (Redis lost without persistence) is not half-recreated: `resume` recounts it from storage.
 _RECORD_COMMIT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
 if redis.call('SREM', KEYS[3], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'shards_dead', -1)
@@ -81,6 +83,7 @@ return 1
 """
 
 _RECORD_DEAD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('SISMEMBER', KEYS[2], ARGV[1]) == 1 then return 0 end
 if redis.call('SADD', KEYS[3], ARGV[1]) == 0 then return 0 end
 redis.call('HINCRBY', KEYS[1], 'shards_dead', 1)
@@ -341,6 +344,7 @@ def job_progress(
         shards_total=shards_total,
         shards_committed=number["shards_committed"],
         shards_dead_lettered=number["shards_dead"],
+        shards_rerun=number.get("shards_rerun", 0),
         bytes_stored=number["bytes_stored"],
         bytes_per_token=bytes_per_token,
         projected_total_bytes=projected,

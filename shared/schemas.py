@@ -230,6 +230,7 @@ class Progress(BaseModel):
     shards_total: int
     shards_committed: int
     shards_dead_lettered: int
+    shards_rerun: int = 0  # runs of a shard again after its worker died or lost its pool process
     bytes_stored: int
     bytes_per_token: float
     projected_total_bytes: int

@@ -73,6 +73,10 @@ class Settings(BaseSettings):
     soft_shutdown_timeout_s: float = 60.0
     worker_heartbeat_file: Path = Path("/tmp/eagle3-worker-heartbeat")
     worker_heartbeat_interval_s: float = Field(default=15.0, gt=0, description="liveness file touch period")
+    shard_lease_s: float = Field(
+        default=60.0, gt=0, description="a shard whose worker stops renewing its lease for this long runs again"
+    )
+    lease_reaper_interval_s: float = Field(default=15.0, gt=0, description="how often workers look for expired leases")
 
     # Producer API
     api_host: str = "127.0.0.1"

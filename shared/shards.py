@@ -16,7 +16,7 @@ import redis
 from pydantic import BaseModel
 
 from shared import layout, progress
-from shared.errors import JobNotFound
+from shared.errors import InferenceUnavailable, JobNotFound
 from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage
@@ -120,6 +120,11 @@ def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext)
     except Cancelled:
         logger.info("cancelled job=%s shard=%d", job_id, shard_index)
         return ShardOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
+    except InferenceUnavailable:
+        # The server went away (killed, restarting): the retry waits until it is ready again, as at the first shard,
+        # instead of spending its attempts on refused connections while the model loads.
+        ctx.prepared.pop(job_id, None)
+        raise
     manifest.worker, manifest.started_at, manifest.committed_at = ctx.worker, started_at, utc_now()
     manifest.timings_s["total"] = round(time.monotonic() - started, 4)
     manifest = progress.commit_manifest(storage, client, manifest)

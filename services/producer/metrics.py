@@ -38,7 +38,7 @@ class JobsCollector(Collector):
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.client, self.settings = client, settings
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         families = {
             name: GaugeMetricFamily(f"eagle3_job_{name}", doc, labels=["job_id", "state"])
             for name, doc in _GAUGES.items()
@@ -47,6 +47,11 @@ class JobsCollector(Collector):
             name: GaugeMetricFamily(f"eagle3_job_{name}", doc, labels=["job_id", "state"])
             for name, doc in _REGENERATION_GAUGES.items()
         }
+        reruns = CounterMetricFamily(
+            "eagle3_job_shards_rerun",
+            "Shards run again after their worker died, lost its pool process or stopped (lease expired or requeued)",
+            labels=["job_id", "state"],
+        )
         since_commit = GaugeMetricFamily(
             "eagle3_job_seconds_since_commit",
             "Seconds since the job's last committed shard (or since it was created)",
@@ -68,6 +73,7 @@ class JobsCollector(Collector):
                 value = getattr(p, name)
                 if value is not None:
                     family.add_metric([job_id, p.state], float(value))
+            reruns.add_metric([job_id, p.state], float(p.shards_rerun))
             if p.regeneration is not None:
                 for name, family in regeneration.items():
                     family.add_metric([job_id, p.state], float(getattr(p.regeneration, name)))
@@ -76,6 +82,7 @@ class JobsCollector(Collector):
             stalled.add_metric([job_id, p.state], float(activity.stalled))
         yield from families.values()
         yield from regeneration.values()
+        yield reruns
         yield since_commit
         yield stalled
 

@@ -23,8 +23,12 @@ app.conf.update(
     visibility_timeout=settings.visibility_timeout_s,
     task_ignore_result=True,  # manifests in storage are the results
     task_default_queue=SHARD_QUEUE,
+    # SIGTERM (REMAP_SIGTERM=SIGQUIT in the images) with a shard running: wait this long, then cancel it and put
+    # it back on the queue. Celery sleeps the whole timeout even if the shard ends sooner. An idle worker skips
+    # the wait and exits at once: closing its broker channel re-queues whatever it held unacknowledged (a
+    # prefetched shard, a retry waiting for its countdown), which tests/deploy/test_worker_shutdown.py checks.
     worker_soft_shutdown_timeout=settings.soft_shutdown_timeout_s,
-    worker_enable_soft_shutdown_on_idle=True,
+    worker_enable_soft_shutdown_on_idle=False,
     worker_send_task_events=True,
     task_send_sent_event=True,
     broker_connection_retry_on_startup=True,
@@ -32,3 +36,4 @@ app.conf.update(
 )
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
 app.steps["consumer"].add("services.worker.presence:WorkerPresence")  # worker registry and shard metrics
+app.steps["consumer"].add("services.worker.leasing:LeaseKeeper")  # shard leases and their reaper: see leasing.py

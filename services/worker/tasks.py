@@ -4,6 +4,8 @@ Retries only the transient errors; a shard that fails for good leaves a dead let
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
@@ -17,6 +19,8 @@ from shared.kinds import KINDS, JobKind
 from shared.storage import open_storage
 
 logger = logging.getLogger(__name__)
+LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends with its message
+FAILURE_RECORD_RETRY_S = 60.0  # a shard whose dead letter could not be written runs again after this
 
 
 @cache
@@ -30,13 +34,32 @@ def context() -> shards.ShardContext:
     )
 
 
+@contextmanager
+def failure_kept(task: Task, task_id: str, args: tuple) -> Iterator[None]:
+    """Around recording a shard's failure: if that fails too (storage or Redis down as well), the shard's message is
+    acknowledged all the same, and the shard would vanish, neither committed nor dead-lettered. Send it again."""
+    try:
+        yield
+    except Exception as exc:
+        logger.error(
+            "shard %s failed and its dead letter cannot be written (%s: %s); queued again in %.0fs",
+            task_id,
+            type(exc).__name__,
+            exc,
+            FAILURE_RECORD_RETRY_S,
+        )
+        task.apply_async(args=args, task_id=task_id, countdown=FAILURE_RECORD_RETRY_S)
+
+
 class ShardTask(Task):
     kind: JobKind  # set per registered task
+    Request = LEASED_REQUEST
 
     def on_failure(self, exc: BaseException, task_id: str, args: tuple, kwargs: dict, einfo: Any) -> None:
         # Called once retries are exhausted or the error is not transient: record why, never drop silently.
         job_id, shard_index = args
-        shards.dead_letter(self.kind, job_id, shard_index, exc, retries=self.request.retries, ctx=context())
+        with failure_kept(self, task_id, args):
+            shards.dead_letter(self.kind, job_id, shard_index, exc, retries=self.request.retries, ctx=context())
 
 
 def register(kind: JobKind) -> Task:

@@ -1,14 +1,19 @@
 """The Dockerfiles, without a Docker engine: parsed here, linted by hadolint, and their inputs checked to exist."""
 
 import http.server
+import importlib.util
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +24,6 @@ from tests.deploy.tools import (
     dockerignored,
     effective,
     parse_dockerfile,
-    parse_eagle3_command,
     project_dockerfiles,
     run,
     tool,
@@ -27,7 +31,6 @@ from tests.deploy.tools import (
 from tests.fixtures.processes import free_port
 
 HEALTHCHECK_SCRIPT = REPO / "docker" / "healthcheck.py"
-TARGETS = {"api": "api", "worker": "worker", "inference": "inference", "trainer": "train"}
 
 
 def _id(path: Path) -> str:
@@ -93,49 +96,62 @@ def test_base_images_are_pinned() -> None:
         assert "slim" in tag, f"stage {stage.name}: {base} is not a slim image"
 
 
-def test_cpu_images_install_torch_from_the_cpu_index() -> None:
-    # torch is installed once, from the CPU wheel index, before the other dependencies (which then find it).
+def test_dockerfile_builds_with_the_engines_own_frontend() -> None:
+    # A `# syntax=` parser directive makes every build fetch that frontend image from a registry first.
+    first = DOCKERFILE.read_text().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first, flags=re.IGNORECASE), f"parser directive: {first}"
+
+
+def test_torch_comes_from_a_configurable_cpu_index() -> None:
+    # torch is installed once, before the other dependencies (which then find it), from TORCH_INDEX_URL:
+    # the PyTorch CPU index by default, a mirror, or empty for pip's own settings (a wheelhouse).
     _, stages = parse_dockerfile(DOCKERFILE)
     runs = [i for s in stages for i in s.instructions if i.keyword == "RUN" and "pip install" in i.args]
     torch_runs = [i for i in runs if "torch==" in i.args]
-    assert len(torch_runs) == 1
-    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_runs[0].args
-    assert runs.index(torch_runs[0]) == 0
+    assert len(torch_runs) == 1 and runs.index(torch_runs[0]) == 0
+    assert '${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}' in torch_runs[0].args
+    (deps,) = [s for s in stages if s.name == "deps"]
+    args = dict(i.args.partition("=")[::2] for i in deps.instructions if i.keyword == "ARG")
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert {"PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX"} <= set(args)
+    # docker/wheels, the optional local wheelhouse, is mounted wherever pip installs.
+    assert all("--mount=type=bind,source=docker/wheels,target=/wheels" in i.args for i in runs)
+    assert (REPO / "docker" / "wheels").is_dir()
+    assert not dockerignored("docker/wheels/torch.whl", dockerignore_patterns(DOCKERFILE))
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_each_service_target_runs_eagle3_with_a_healthcheck(target: str) -> None:
+def _final_stage() -> tuple[list, object]:
     _, stages = parse_dockerfile(DOCKERFILE)
-    (stage,) = [s for s in stages if s.name == target]
-    cmd = effective(stages, stage, "CMD")
-    assert cmd is not None and cmd.args.lstrip().startswith("["), f"{target}: CMD must be exec form"
-    argv = cmd.words()
-    if target == "trainer":
-        # It needs a job id, so the image's default prints the usage; compose and k8s give the real command.
-        assert argv == ["eagle3", "train", "--help"]
-        argv = ["eagle3", "train", "--job", "job-0", "--follow"]
-    args = parse_eagle3_command(argv, f"{target} CMD")
-    assert args.command == TARGETS[target]
+    assert stages[-1].name == "eagle3", "the last stage is the image: docker build without --target builds it"
+    return stages, stages[-1]
 
-    check = effective(stages, stage, "HEALTHCHECK")
-    assert check is not None, f"{target}: no HEALTHCHECK"
-    words = check.words()
-    assert words[0] == "CMD", f"{target}: HEALTHCHECK must run a command"
+
+def test_one_image_runs_every_service_with_a_healthcheck() -> None:
+    stages, image = _final_stage()
+    assert [s.name for s in stages] == ["requirements", "deps", "project", "runtime-env", "eagle3"]
+    cmd = effective(stages, image, "CMD")
+    assert cmd is not None and cmd.args.lstrip().startswith("["), "CMD must be exec form"
+    assert cmd.words() == ["eagle3", "--help"]
+    check = effective(stages, image, "HEALTHCHECK")
+    assert check is not None and check.words()[0] == "CMD"
     probe = json.loads(check.args[check.args.index("CMD") + 3 :].strip())
-    if probe[0] == "eagle3":
-        parse_eagle3_command(probe, f"{target} HEALTHCHECK")
-    else:
-        assert probe[:2] == ["python", "/usr/local/lib/eagle3/healthcheck.py"]
-        copied = [i for s in stages for i in s.instructions if i.keyword == "COPY" and "healthcheck.py" in i.args]
-        assert copied and copied[0].words()[-1] == probe[1]
+    assert probe == ["python", "/usr/local/lib/eagle3/healthcheck.py", "auto"]
+    copied = [i for i in image.instructions if i.keyword == "COPY" and "healthcheck.py" in i.args]
+    assert copied and copied[0].words()[-1] == probe[1]
+    # Nothing is installed in the image stage: it copies the finished environment (without pip), then the
+    # project over it as a layer of its own (a source change ships that small layer only).
+    assert not [i for i in image.instructions if i.keyword == "RUN" and re.search(r"apt-get|pip |apk ", i.args)]
+    copies = [(i.flags().get("from"), i.words()) for i in image.instructions if i.keyword == "COPY"]
+    assert copies[:2] == [("runtime-env", ["/opt/venv", "/opt/venv"]), ("project", ["/opt/project", "/opt/venv"])]
+    (runtime_env,) = [s for s in stages if s.name == "runtime-env"]
+    assert [i.args for i in runtime_env.instructions] == ["pip uninstall --yes --quiet pip"]
 
 
-def test_worker_image_remaps_sigterm_to_the_soft_shutdown() -> None:
-    _, stages = parse_dockerfile(DOCKERFILE)
-    (worker,) = [s for s in stages if s.name == "worker"]
-    env = " ".join(i.args for i in worker.instructions if i.keyword == "ENV")
+def test_image_remaps_sigterm_to_the_workers_soft_shutdown() -> None:
+    stages, image = _final_stage()
+    env = " ".join(i.args for i in image.instructions if i.keyword == "ENV")
     assert "REMAP_SIGTERM=SIGQUIT" in env
-    assert effective(stages, worker, "STOPSIGNAL") is None  # SIGTERM, what Docker and Kubernetes send
+    assert effective(stages, image, "STOPSIGNAL") is None  # SIGTERM, what Docker and Kubernetes send
 
 
 def test_dockerfile_environment_names_are_settings() -> None:
@@ -157,7 +173,7 @@ def test_project_wheel_carries_the_files_the_services_read(tmp_path: Path) -> No
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    for package in ("shared", "services"):
+    for package in ("shared", "services", "eagle3"):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     result = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", "."],
@@ -171,7 +187,7 @@ def test_project_wheel_carries_the_files_the_services_read(tmp_path: Path) -> No
     in_wheel = set(zipfile.ZipFile(wheel).namelist())
     data_files = {
         str(p.relative_to(REPO))
-        for package in ("shared", "services")
+        for package in ("shared", "services", "eagle3")
         for p in (REPO / package).rglob("*")
         if p.is_file()
         and p.suffix not in (".py", ".pyc")
@@ -233,3 +249,44 @@ def test_healthcheck_pings_redis(redis_url: str) -> None:
     assert _healthcheck("redis", {"EAGLE3_REDIS_URL": redis_url}).returncode == 0
     down = f"redis://127.0.0.1:{free_port()}/0"
     assert _healthcheck("redis", {"EAGLE3_REDIS_URL": down}).returncode == 1
+
+
+def _load_healthcheck() -> Any:
+    spec = importlib.util.spec_from_file_location("eagle3_healthcheck", HEALTHCHECK_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "command"),
+    [
+        pytest.param(b"/opt/venv/bin/python\0/opt/venv/bin/eagle3\0worker\0", "worker", id="console-script"),
+        pytest.param(b"eagle3\0api\0", "api", id="exec-form"),
+        pytest.param(b"/opt/venv/bin/python\0/opt/venv/bin/eagle3\0train\0--job\0j\0", "train", id="train"),
+        pytest.param(b"redis-server\0--appendonly\0yes\0", None, id="not-eagle3"),
+    ],
+)
+def test_auto_healthcheck_reads_the_running_eagle3_command(cmdline: bytes, command: str | None) -> None:
+    assert _load_healthcheck().running_command(cmdline) == command
+
+
+@pytest.mark.parametrize(("age_s", "passes"), [pytest.param(0, True, id="fresh"), pytest.param(200, False, id="stale")])
+def test_worker_healthcheck_agrees_with_the_worker_probe(tmp_path: Path, age_s: float, passes: bool) -> None:
+    from services.worker.heartbeat import DEFAULT_MAX_AGE_S, stale_reason
+    from shared.settings import Settings
+
+    path = tmp_path / "heartbeat"
+    path.touch()
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    result = _healthcheck("worker", {"EAGLE3_WORKER_HEARTBEAT_FILE": str(path)})
+    assert (result.returncode == 0) is passes is (stale_reason(path, DEFAULT_MAX_AGE_S) is None), result.stderr
+    if not passes:
+        assert "not consuming" in result.stderr
+    missing = _healthcheck("worker", {"EAGLE3_WORKER_HEARTBEAT_FILE": str(tmp_path / "missing")})
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    # Without the variable it looks where the worker writes by default.
+    module = _load_healthcheck()
+    assert Path(module.WORKER_HEARTBEAT_FILE) == Settings(_env_file=None).worker_heartbeat_file
+    assert module.WORKER_MAX_AGE_S == DEFAULT_MAX_AGE_S

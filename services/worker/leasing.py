@@ -1,0 +1,195 @@
+"""Shard leases in the worker (the logic is shared/leases.py): taken when a shard message is received, renewed by
+the worker's main process while it holds the message, released when the message is acknowledged or returned.
+
+Everything runs in the main process, which is the one that holds the broker message:
+
+- `LeasedRequest` (the shard tasks' request class) releases the lease when the message is acknowledged or
+  rejected. A pool child killed mid-shard makes Celery return the message to the queue (`task_reject_on_worker_lost`):
+  the lease goes with it, so the reaper does not run the shard a second time; that requeue counts as a re-run.
+- `on_task_received` takes the lease as soon as the message is reserved, countdown (retry) messages included.
+- `LeaseKeeper`, a consumer bootstep, renews this worker's leases every `shard_lease_s / 4` and reaps expired leases
+  every `lease_reaper_interval_s`: the unacknowledged message of a dead worker goes back to the front of the queue
+  (kombu's own restore, as at the visibility timeout, only sooner), or, if the broker lost it, a new one is sent.
+
+A worker killed whole stops renewing, so its shards run again `shard_lease_s` plus at most one reaper interval
+after its last renewal: 75 s by default.
+"""
+
+import logging
+import os
+import secrets
+import socket
+from typing import Any
+
+import redis
+from celery import bootsteps, signals
+from celery.worker.request import Request
+
+from shared import leases
+from shared.settings import get_settings
+from shared.storage import Storage, open_storage
+
+logger = logging.getLogger(__name__)
+
+_REDIS_TIMEOUT_S = 2.0  # the keeper runs on the consumer's event loop: never block it for long
+_keeper: "LeaseKeeper | None" = None
+
+
+class LeasedRequest(Request):
+    """A shard task's request: its lease ends with its message."""
+
+    def acknowledge(self) -> None:
+        super().acknowledge()
+        if _keeper is not None:
+            _keeper.release(self, requeued=False)
+
+    def reject(self, requeue: bool = False) -> None:
+        super().reject(requeue=requeue)
+        if _keeper is not None:
+            _keeper.release(self, requeued=requeue)
+
+
+@signals.task_received.connect
+def on_task_received(request: Request, **kwargs: Any) -> None:
+    if _keeper is not None and isinstance(request, LeasedRequest):
+        _keeper.acquire(request)
+
+
+class LeaseKeeper(bootsteps.StartStopStep):
+    """Consumer bootstep: this worker's leases (acquire, renew, release) and the reaper of everyone's."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        settings = get_settings()
+        self.app = c.app
+        self.lease_s = settings.shard_lease_s
+        self.reaper_interval_s = settings.lease_reaper_interval_s
+        self.storage_url = settings.storage_url
+        self.settings = settings
+        # Unique per process start: a restarted container can have the same host name and pid.
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.client: redis.Redis | None = None
+        self.storage: Storage | None = None
+        self.held: dict[str, leases.Lease] = {}  # by delivery tag
+        self.timers: list[Any] = []
+
+    def start(self, c: Any) -> None:
+        global _keeper
+        self.client = redis.Redis.from_url(
+            str(c.app.conf.broker_url), socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
+        )
+        _keeper = self
+        self.timers = [
+            c.timer.call_repeatedly(self.lease_s / 4, self.renew, priority=10),
+            c.timer.call_repeatedly(self.reaper_interval_s, self.reap, priority=10),
+        ]
+        logger.info(
+            "shard leases: holder %s, lease %.0fs, reaper every %.0fs",
+            self.holder,
+            self.lease_s,
+            self.reaper_interval_s,
+        )
+
+    def stop(self, c: Any) -> None:
+        # Also on a consumer restart (broker connection lost): the shards still run, their leases stay held.
+        global _keeper
+        for timer in self.timers:
+            timer.cancel()
+        self.timers = []
+        if _keeper is self:
+            _keeper = None
+
+    def shutdown(self, c: Any) -> None:
+        # The worker is going away and its unacknowledged messages go back to the queue with the connection:
+        # their leases go too, or the reaper would send those shards a second time.
+        self.stop(c)
+        if self.client is not None:
+            for lease in self.held.values():
+                try:
+                    leases.release(self.client, lease)
+                except redis.RedisError as exc:
+                    logger.warning(
+                        "cannot release the lease of shard %d of job %s: %s", lease.shard_index, lease.job_id, exc
+                    )
+        self.held.clear()
+
+    def lease_of(self, request: Request) -> leases.Lease | None:
+        try:
+            job_id, shard_index = request.args
+        except ValueError:
+            logger.warning("task %s %s: not (job_id, shard_index) arguments, not leased", request.name, request.id)
+            return None
+        return leases.Lease(
+            task=request.name,
+            task_id=request.id,
+            job_id=str(job_id),
+            shard_index=int(shard_index),
+            holder=self.holder,
+            delivery_tag=str(request.message.delivery_tag),
+        )
+
+    def acquire(self, request: Request) -> None:
+        lease = self.lease_of(request)
+        if lease is None or self.client is None:
+            return
+        self.held[lease.delivery_tag] = lease
+        try:
+            leases.acquire(self.client, lease, self.lease_s)
+        except redis.RedisError as exc:  # the next renewal will not find it; the broker's timeout still applies
+            logger.warning("cannot lease shard %d of job %s: %s", lease.shard_index, lease.job_id, exc)
+
+    def release(self, request: Request, *, requeued: bool) -> None:
+        lease = self.held.pop(str(request.message.delivery_tag), None)
+        if lease is None or self.client is None:
+            return
+        try:
+            leases.release(self.client, lease)
+            if requeued:
+                leases.count_rerun(self.client, lease.job_id)
+                logger.warning(
+                    "shard %d of job %s returned to the queue (its pool process was lost or the worker is stopping)",
+                    lease.shard_index,
+                    lease.job_id,
+                )
+        except redis.RedisError as exc:  # an unreleased lease only expires: at worst one harmless re-run
+            logger.warning("cannot release the lease of shard %d of job %s: %s", lease.shard_index, lease.job_id, exc)
+
+    def renew(self) -> None:
+        if self.client is None or not self.held:
+            return
+        try:
+            leases.renew(self.client, self.holder, list(self.held.values()), self.lease_s)
+        except redis.RedisError as exc:
+            logger.warning("cannot renew %d shard lease(s): %s", len(self.held), exc)
+
+    def reap(self) -> None:
+        if self.client is None:
+            return
+        connection = None
+        try:
+            if self.storage is None:
+                self.storage = open_storage(self.storage_url, self.settings)
+
+            def channel() -> Any:
+                nonlocal connection
+                if connection is None:  # only when a lease expired: most intervals need no broker connection
+                    connection = self.app.connection_for_write()
+                return connection.default_channel
+
+            def restore(lease: leases.Lease) -> bool:
+                if not channel().client.hexists(channel().unacked_key, lease.delivery_tag):
+                    return False
+                channel().qos.restore_by_tag(lease.delivery_tag)
+                return True
+
+            def resend(lease: leases.Lease) -> None:
+                self.app.send_task(lease.task, args=[lease.job_id, lease.shard_index], task_id=lease.task_id)
+
+            leases.reap(self.client, self.storage, restore=restore, resend=resend)
+        except Exception as exc:  # never let the reaper take the consumer down; the next interval tries again
+            logger.warning("lease reaper: %s: %s", type(exc).__name__, exc)
+        finally:
+            if connection is not None:
+                connection.release()

@@ -1,0 +1,98 @@
+"""pytest plugin for `make faults` (`-p tests.faults.report`): one table row per fault scenario, printed at the end
+and written to build/faults.json.
+
+A scenario records its row through the `fault_table` fixture (tests/faults/conftest.py); the row's result is the
+test's outcome. Scenarios tested elsewhere (the trainer's resume) get a row from their test's outcome alone.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.faults.audit import Audit
+
+REPORT_PATH = Path("build/faults.json")
+# Fault scenarios whose test lives with the code it covers.
+EXTERNAL_SCENARIOS = {
+    "tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run": (
+        "trainer stopped mid-epoch, --resume continues exactly"
+    ),
+}
+
+
+@dataclass
+class Row:
+    scenario: str
+    audit: Audit | None = None
+    recover_s: float | None = None
+    reruns: int | None = None
+    note: str = ""
+    outcome: str = "not run"
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+ROWS: dict[str, Row] = {}
+
+
+def record(nodeid: str, row: Row) -> None:
+    ROWS[nodeid] = row
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
+    report = yield
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        row = ROWS.get(item.nodeid)
+        if row is None and item.nodeid in EXTERNAL_SCENARIOS:
+            row = ROWS[item.nodeid] = Row(EXTERNAL_SCENARIOS[item.nodeid], note="tests/trainer")
+        if row is not None:
+            row.outcome = report.outcome
+    return report
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not ROWS:
+        return
+    header = ["scenario", "expected", "once", "dup", "lost", "torn", "stray", "recover s", "re-runs", "result"]
+    lines = []
+    for row in ROWS.values():
+        a = row.audit
+        lines.append(
+            [
+                row.scenario,
+                _cell(a and a.samples_expected),
+                _cell(a and a.committed_once),
+                _cell(a and a.duplicated),
+                _cell(a and a.lost),
+                _cell(a and len(a.torn)),
+                _cell(a and len(a.stray)),
+                _cell(row.recover_s),
+                _cell(row.reruns),
+                row.outcome,
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *lines]) for i in range(len(header))]
+    terminalreporter.section("fault table")
+    for r in [header, ["-" * w for w in widths], *lines]:
+        terminalreporter.write_line(
+            "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        )
+    terminalreporter.write_line(
+        "recover s: from the fault to the affected shard running again (worker kills) or committed (other faults)"
+    )
+    for row in ROWS.values():
+        if row.note:
+            terminalreporter.write_line(f"- {row.scenario}: {row.note}")
+    REPORT_PATH.parent.mkdir(parents=True, exist_ok=True)
+    REPORT_PATH.write_text(json.dumps([asdict(r) for r in ROWS.values()], indent=1, default=str))
+    terminalreporter.write_line(f"written to {REPORT_PATH}")

@@ -1,0 +1,103 @@
+"""Lease logic against a real Redis (cheap: part of `make test`); the worker kills over real processes are in
+test_workers.py."""
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared import layout, leases, progress
+from shared.storage import open_storage
+
+
+def lease(shard_index: int = 3, holder: str = "host:1:aa", tag: str = "tag-1") -> leases.Lease:
+    return leases.Lease(
+        task="eagle3.extract_shard",
+        task_id=f"job-a:shard:{shard_index:06d}",
+        job_id="job-a",
+        shard_index=shard_index,
+        holder=holder,
+        delivery_tag=tag,
+    )
+
+
+@pytest.fixture
+def client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+def wait_expired(client: redis.Redis, limit_s: float = 5) -> list[leases.ExpiredLease]:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        claimed = leases.claim_expired(client)
+        if claimed:
+            return claimed
+        time.sleep(0.05)
+    raise TimeoutError("no lease expired")
+
+
+def test_a_renewed_lease_does_not_expire_and_a_released_one_is_gone(client: redis.Redis) -> None:
+    leases.acquire(client, lease(), lease_s=0.5)
+    for _ in range(4):
+        time.sleep(0.2)
+        assert leases.renew(client, "host:1:aa", [lease()], lease_s=0.5) == 1
+        assert leases.claim_expired(client) == []
+    assert [h.shard_index for h in leases.held(client)] == [3]
+    assert leases.release(client, lease())
+    assert leases.held(client) == [] and leases.claim_expired(client) == []
+
+
+def test_an_unrenewed_lease_is_claimed_once(client: redis.Redis) -> None:
+    leases.acquire(client, lease(), lease_s=0.2)
+    claimed = wait_expired(client)
+    assert [c.lease.shard_index for c in claimed] == [3] and claimed[0].lease.holder == "host:1:aa"
+    assert leases.claim_expired(client) == []  # a second reaper gets nothing
+    assert leases.renew(client, "host:1:aa", [lease()], lease_s=60) == 0  # the late holder no longer owns it
+
+
+def test_a_newer_delivery_owns_the_lease(client: redis.Redis) -> None:
+    leases.acquire(client, lease(holder="old:1:aa", tag="t1"), lease_s=60)
+    leases.acquire(client, lease(holder="new:2:bb", tag="t2"), lease_s=60)
+    assert not leases.release(client, lease(holder="old:1:aa", tag="t1"))  # the old holder cannot drop it
+    assert leases.renew(client, "old:1:aa", [lease(holder="old:1:aa", tag="t1")], lease_s=60) == 0
+    assert [h.holder for h in leases.held(client)] == ["new:2:bb"]
+
+
+def test_reap_requeues_only_unfinished_shards_and_counts_reruns(client: redis.Redis, tmp_path: Path) -> None:
+    storage = open_storage(tmp_path.as_uri())
+    client.hset(progress.job_key("job-a"), mapping={"shards_total": 3})
+    storage.put(layout.manifest("job-a", 1), b"{}")  # shard 1 is committed: its lease expiring changes nothing
+    for shard_index in (0, 1, 2):
+        leases.acquire(client, lease(shard_index, tag=f"t{shard_index}"), lease_s=0.1)
+    time.sleep(0.3)
+    in_broker = {"t0"}  # shard 0's message is still unacknowledged in the broker; shard 2's was lost
+    restored, resent = [], []
+
+    def restore(lease: leases.Lease) -> bool:
+        restored.append(lease.shard_index)
+        return lease.delivery_tag in in_broker
+
+    requeued = leases.reap(client, storage, restore=restore, resend=lambda lease: resent.append(lease.shard_index))
+    assert sorted(e.lease.shard_index for e in requeued) == [0, 2]
+    assert sorted(restored) == [0, 1, 2] and resent == [2]
+    assert client.hget(progress.job_key("job-a"), leases.RERUN_FIELD) == b"2"
+    assert leases.held(client) == []
+
+
+def test_a_failed_reap_puts_the_lease_back(client: redis.Redis, tmp_path: Path) -> None:
+    storage = open_storage(tmp_path.as_uri())
+    leases.acquire(client, lease(), lease_s=0.05)
+    time.sleep(0.2)
+
+    def broken_broker(lease: leases.Lease) -> bool:
+        raise redis.ConnectionError("broker down")
+
+    with pytest.raises(redis.ConnectionError):
+        leases.reap(client, storage, restore=broken_broker, resend=lambda lease: None)
+    assert [c.lease.shard_index for c in wait_expired(client)] == [3]  # the next reaper gets it again
+
+
+def test_a_job_redis_lost_is_not_half_recreated_by_a_rerun(client: redis.Redis) -> None:
+    leases.count_rerun(client, "job-gone")
+    assert not client.exists(progress.job_key("job-gone"))
