@@ -33,7 +33,7 @@ def deployment(
     tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     home = tmp_path_factory.mktemp("home")
-    with deploy(s3_server, redis_server, tiny_model_dir, home, inference_concurrency=2, visibility_timeout_s=8) as d:
+    with deploy(s3_server, redis_server, tiny_model_dir, home, inference_concurrency=2) as d:
         yield d
 
 

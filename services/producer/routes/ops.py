@@ -8,7 +8,7 @@ from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 
-from services.producer.deps import RedisDep, SettingsDep, StorageDep
+from services.producer.deps import Authorized, RedisDep, SettingsDep, StorageDep
 from shared import cluster, inspection, jobs, layout, progress, timeline
 from shared.errors import JobNotFound
 from shared.schemas import DeadLetter, JobRecord, Progress
@@ -74,7 +74,7 @@ def get_overview(settings: SettingsDep, client: RedisDep) -> Overview:
     return Overview(**_cluster(settings, client).model_dump(), jobs=overviews)
 
 
-@router.get("/v1/jobs/{job_id}/details")
+@router.get("/v1/jobs/{job_id}/details", dependencies=[Authorized])
 def get_job_details(job_id: JobId, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobDetails:
     """A job's settings, progress, activity (stalled or not), storage root, dead letters and trainer runs."""
     try:
