@@ -129,7 +129,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, exclude: frozenset[
         if kind is bool:
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
         else:
-            parser.add_argument(*flags, type=kind, nargs=nargs, choices=choices, metavar=name.upper(), **common)
+            metavar = None if choices else name.upper()  # argparse shows the choices themselves
+            parser.add_argument(*flags, type=kind, nargs=nargs, choices=choices, metavar=metavar, **common)
 
 
 def config_from_args(args: argparse.Namespace, **values: Any) -> TrainConfig:
