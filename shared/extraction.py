@@ -95,7 +95,13 @@ def commit_sample(
     except InvalidCapture as exc:
         raise ShardValidationError(job.job_id, shard_index, sample.sample_id, exc.field, exc.reason) from exc
     key = layout.sample(job.job_id, sample.sample_index)
-    data = encode_sample(sample.input_ids, sample.loss_mask, states.aux_hidden_state, states.hidden_state)
+    data = encode_sample(
+        sample.input_ids,
+        sample.loss_mask,
+        states.aux_hidden_state,
+        states.hidden_state,
+        storage_dtype=job.spec.storage_dtype,
+    )
     if storage.put_if_absent(key, data):
         return describe_sample(sample, key, data), True
     # A concurrent duplicate delivery wrote it first: describe what is stored, which the manifest must match.

@@ -25,7 +25,16 @@ from shared.errors import (
     OverBudget,
     SubmitError,
 )
-from shared.schemas import JobRecord, JobSpec, ModelRecord, RejectedSample, SampleInput, ShardInput, utc_now
+from shared.schemas import (
+    JobRecord,
+    JobSpec,
+    ModelRecord,
+    RejectedSample,
+    SampleInput,
+    ShardInput,
+    StorageDtype,
+    utc_now,
+)
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage, open_storage
 from shared.tokenization import ChatTokenizer, TokenizedSample
@@ -43,8 +52,10 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     return [1, num_hidden_layers // 2 - 1, num_hidden_layers - 4]
 
 
-def bytes_per_token(hidden_size: int) -> int:
-    # 3 aux + 1 final state in bf16, plus int64 input_ids and loss_mask.
+def bytes_per_token(hidden_size: int, storage_dtype: StorageDtype = "bfloat16") -> int:
+    # 3 aux + 1 final state in bf16, plus int64 input_ids and loss_mask; fp8 adds 4 float32 scales (shard_format.py).
+    if storage_dtype == "fp8_e4m3":
+        return 4 * hidden_size * 1 + 4 * 4 + 2 * 8
     return 4 * hidden_size * 2 + 2 * 8
 
 
@@ -142,7 +153,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
             f"dataset {spec.dataset_url}: no usable sample ({len(rejected)} rejected, e.g. {first_rejection(rejected)})"
         )
 
-    per_token = bytes_per_token(hidden_size)
+    per_token = bytes_per_token(hidden_size, spec.storage_dtype)
     tokens_total = sum(s.num_tokens for s in samples)
     projected = tokens_total * per_token + len(samples) * PER_SAMPLE_OVERHEAD_BYTES
     if settings.storage_budget_bytes is not None and projected > settings.storage_budget_bytes:

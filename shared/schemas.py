@@ -9,6 +9,7 @@ LengthPolicy = Literal["truncate", "reject"]
 JobState = Literal["queued", "running", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
 ReasoningPolicy = Literal["keep", "drop"]
+StorageDtype = Literal["bfloat16", "fp8_e4m3"]  # hidden states at rest: shared/shard_format.py
 
 
 def utc_now() -> str:
@@ -28,6 +29,10 @@ class JobSpec(BaseModel):
     draft_vocab_size: int = Field(default=32000, ge=1)
     shard_token_budget: int = Field(default=16384, ge=1, description="prompt tokens per shard (one Celery task)")
     aux_layer_ids: list[int] | None = Field(default=None, min_length=3, max_length=3)
+    storage_dtype: StorageDtype = Field(
+        default="bfloat16",
+        description="hidden states at rest: bfloat16 (SpecForge reads it) or fp8_e4m3 (about half the bytes)",
+    )
 
     # Regeneration (kind "regenerate", docs/regeneration.md): the assistant turns are rewritten by the target
     # itself. The extraction fields above then apply to the chained extraction job (then_extract).

@@ -139,6 +139,7 @@ def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
             "length_policy": args.length_policy,
             "draft_vocab_size": args.draft_vocab_size,
             "shard_token_budget": args.shard_token_budget,
+            "storage_dtype": args.storage_dtype,
         }.items()
         if v is not None
     }
@@ -179,6 +180,7 @@ def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
             "length_policy": args.length_policy,
             "draft_vocab_size": args.draft_vocab_size,
             "shard_token_budget": args.shard_token_budget,
+            "storage_dtype": args.storage_dtype,
         }.items()
         if v is not None
     }
@@ -292,6 +294,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-policy", choices=["truncate", "reject"])
     p.add_argument("--draft-vocab-size", type=int)
     p.add_argument("--shard-token-budget", type=int)
+    p.add_argument(
+        "--storage-dtype",
+        choices=["bfloat16", "fp8_e4m3"],
+        help="hidden states at rest: bfloat16 (default, SpecForge-readable) or fp8_e4m3 (about half the bytes)",
+    )
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="show a live progress bar until the job finishes")
     p.set_defaults(func=cmd_submit)
@@ -319,6 +326,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-policy", choices=["truncate", "reject"])
     p.add_argument("--draft-vocab-size", type=int)
     p.add_argument("--shard-token-budget", type=int)
+    p.add_argument(
+        "--storage-dtype",
+        choices=["bfloat16", "fp8_e4m3"],
+        help="hidden states at rest: bfloat16 (default, SpecForge-readable) or fp8_e4m3 (about half the bytes)",
+    )
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
     p.set_defaults(func=cmd_regenerate)
