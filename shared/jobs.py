@@ -25,6 +25,7 @@ from shared.errors import (
     OverBudget,
     SubmitError,
 )
+from shared.provenance import compute_provenance
 from shared.schemas import (
     JobRecord,
     JobSpec,
@@ -169,6 +170,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
         draft_vocab_size=min(spec.draft_vocab_size, target_vocab),
     )
     plan = plan_shards(samples, spec.shard_token_budget)
+    mapping_bytes = vocab_mapping_bytes(mapping)
 
     job = JobRecord(
         job_id=job_id,
@@ -195,9 +197,17 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
         draft_vocab_size=mapping.draft_vocab_size,
         vocab_coverage=mapping.coverage,
         versions={"eagle3": shared.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        provenance=compute_provenance(
+            model_path,
+            chat_template_sha256=tokenizer.template_hash,
+            aux_layer_ids=aux_layer_ids,
+            dtype="bfloat16",  # what every inference server returns (shared/shard_format.py HIDDEN_DTYPE)
+            storage_dtype=spec.storage_dtype,
+            vocab_mapping=mapping_bytes,
+        ),
     )
 
-    storage.put(layout.vocab_mapping(job_id), vocab_mapping_bytes(mapping))
+    storage.put(layout.vocab_mapping(job_id), mapping_bytes)
     storage.put(layout.rejected(job_id), "".join(r.model_dump_json() + "\n" for r in rejected).encode())
     sample_index = 0
     for shard_index, members in enumerate(plan):

@@ -5,6 +5,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from shared.provenance import Provenance
+
 LengthPolicy = Literal["truncate", "reject"]
 JobState = Literal["queued", "running", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
@@ -109,6 +111,7 @@ class JobRecord(BaseModel):
     vocab_coverage: float
     versions: dict[str, str]
     regeneration: RegenerationPlan | None = None  # jobs of kind "regenerate" only
+    provenance: Provenance | None = None  # what makes its hidden states comparable (shared/provenance.py)
 
     @property
     def kind(self) -> JobKind:

@@ -89,6 +89,7 @@ class Checkpoint:
     train_tokens: int
     train_seconds: float
     history: list[dict[str, Any]]  # one point per log window (curves.py)
+    provenance: dict[str, Any] | None = None  # the job's (shared/provenance.py); None for jobs recorded before it
     source: str = field(default="", compare=False)  # the key or path it was read from; not saved
 
     def to_payload(self) -> dict[str, Any]:
@@ -110,6 +111,7 @@ class Checkpoint:
             "train_tokens": self.train_tokens,
             "train_seconds": self.train_seconds,
             "history": self.history,
+            "provenance": self.provenance,
         }
 
     @classmethod
@@ -134,6 +136,7 @@ class Checkpoint:
                 train_tokens=int(payload["train_tokens"]),
                 train_seconds=float(payload["train_seconds"]),
                 history=list(payload["history"]),
+                provenance=payload.get("provenance"),  # absent from checkpoints saved before it was recorded
                 source=source,
             )
         except KeyError as exc:

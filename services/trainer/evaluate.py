@@ -28,6 +28,7 @@ from services.trainer.speculative import AcceptanceResult, measure_acceptance
 from shared.datasets import InvalidRecord, iter_dataset_file
 from shared.errors import ConfigurationError
 from shared.jobs import load_job
+from shared.provenance import check_same
 from shared.settings import Settings
 from shared.storage import open_storage
 from shared.tokenization import ChatTokenizer
@@ -130,6 +131,8 @@ def evaluate_checkpoint(
     drafter, target_head = drafter_from_checkpoint(checkpoint, model_path=target)
     untrained = untrained_drafter(checkpoint, target)
     job = load_job(storage, job_id or checkpoint.job_id)
+    if checkpoint.provenance is not None and job.provenance is not None:
+        check_same(job.provenance, checkpoint.provenance, what=f"evaluating {checkpoint.source} on job {job.job_id}")
     expected = TargetSignature.from_model_config(read_target_config(target), drafter.config.aux_layer_ids)
     follower = ShardFollower(job, storage=storage, expected=expected, heldout_fraction=config.heldout_fraction)
     follower.poll(block=False)

@@ -50,6 +50,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 EXPORT_DTYPE = torch.bfloat16
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_FILE = "eagle3_provenance.json"  # shared/provenance.py: what the drafter was trained on
 
 # Exactly the names SGLang's EAGLE-3 loader consumes; the shared embedding stays with the target.
 SGLANG_KEYS = frozenset(
@@ -246,5 +247,15 @@ def export_checkpoint(
     checkpoint = load_checkpoint(ref, storage)
     drafter, _ = drafter_from_checkpoint(checkpoint, model_path=model_path)
     if engine == "vllm":
-        return export_vllm(drafter, out_dir, verifier=verifier or str(model_path or checkpoint.model_path))
-    return export_sglang(drafter, out_dir)
+        out = export_vllm(drafter, out_dir, verifier=verifier or str(model_path or checkpoint.model_path))
+    else:
+        out = export_sglang(drafter, out_dir)
+    # The data it was trained on travels with it; the engines ignore a file they do not know.
+    record = {
+        "job_id": checkpoint.job_id,
+        "step": checkpoint.step,
+        "checkpoint": checkpoint.source,
+        "provenance": checkpoint.provenance,
+    }
+    (out / PROVENANCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    return out

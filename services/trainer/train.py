@@ -67,6 +67,7 @@ from services.trainer.step import (
 )
 from shared import layout
 from shared.jobs import load_job
+from shared.provenance import check_same, sha256_bytes, target_identity
 from shared.schemas import JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
@@ -105,6 +106,14 @@ def estimate_schedule_steps(job: JobRecord, config: TrainConfig, world_size: int
     return max(1, math.ceil(train_tokens / per_step))
 
 
+def check_target_and_vocab(job: JobRecord, model_path: Path, mapping_bytes: bytes) -> None:
+    """Refuse a target or vocab mapping other than the ones the job's hidden states were captured with."""
+    assert job.provenance is not None
+    recorded = job.provenance.model_dump()
+    found = {**target_identity(model_path), "vocab_mapping_sha256": sha256_bytes(mapping_bytes)}
+    check_same(found, recorded, what=f"training job {job.job_id} with the target at {model_path}")
+
+
 def build_trainer(
     config: TrainConfig, *, settings: Settings, runtime: Runtime, storage: Storage, resuming: Checkpoint | None
 ) -> "Trainer":
@@ -117,6 +126,10 @@ def build_trainer(
     else:
         aux_layer_ids = config.aux_layer_ids or job.aux_layer_ids
     expected = TargetSignature.from_model_config(read_target_config(model_path), aux_layer_ids)
+    mapping_key = layout.vocab_mapping(config.job_id)
+    mapping_bytes = storage.get(mapping_key)
+    if job.provenance is not None:
+        check_target_and_vocab(job, model_path, mapping_bytes)
 
     # Rank 0 alone reads the job's shard events; its answers are broadcast (a refusal included).
     follower = runtime.on_rank0_or_raise(
@@ -134,8 +147,7 @@ def build_trainer(
 
     # The model. Seeded identically on every rank; DDP also broadcasts rank 0's weights.
     torch.manual_seed(config.seed)
-    mapping_key = layout.vocab_mapping(config.job_id)
-    mapping = load_vocab_mapping(storage.get(mapping_key), source=mapping_key)
+    mapping = load_vocab_mapping(mapping_bytes, source=mapping_key)
     drafter, target_head = build_drafter(
         model_path, mapping, aux_layer_ids=aux_layer_ids, init_from_target=config.init_from_target
     )
@@ -179,6 +191,7 @@ def build_trainer(
     )
     return Trainer(
         config,
+        job=job,
         runtime=runtime,
         storage=storage,
         model_path=model_path,
@@ -201,6 +214,7 @@ class Trainer:
         self,
         config: TrainConfig,
         *,
+        job: JobRecord,
         runtime: Runtime,
         storage: Storage,
         model_path: Path,
@@ -214,7 +228,7 @@ class Trainer:
         loader: SampleLoader,
         follower: ShardFollower | None,  # rank 0 only
     ) -> None:
-        self.config, self.runtime, self.storage, self.model_path = config, runtime, storage, model_path
+        self.config, self.job, self.runtime, self.storage, self.model_path = config, job, runtime, storage, model_path
         self.drafter, self.target_head, self.model = drafter, target_head, model
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer, self.scheduler, self.schedule_steps = optimizer, scheduler, schedule_steps
@@ -227,6 +241,12 @@ class Trainer:
 
     def restore(self, checkpoint: Checkpoint) -> None:
         """Continue exactly where `checkpoint` stopped: weights, optimizer, schedule, data position, RNG."""
+        if checkpoint.provenance is not None and self.job.provenance is not None:
+            check_same(
+                self.job.provenance,
+                checkpoint.provenance,
+                what=f"resuming {checkpoint.source} on job {self.job.job_id}",
+            )
         restore_drafter(self.drafter, checkpoint, built_from=f"{self.model_path} and job {self.config.job_id}")
         self.optimizer.load_state_dict(checkpoint.optimizer)
         self.scheduler.load_state_dict(checkpoint.scheduler)
@@ -437,6 +457,7 @@ class Trainer:
             train_tokens=self.train_tokens,
             train_seconds=self.train_seconds,
             history=self.history,
+            provenance=self.job.provenance.model_dump() if self.job.provenance is not None else None,
         )
         key = save_checkpoint(self.storage, checkpoint, keep=config.keep_checkpoints)
         title = f"{config.job_id} / {config.run_name}"

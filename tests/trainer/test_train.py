@@ -17,6 +17,7 @@ import pytest
 import redis
 import torch
 from prometheus_client import REGISTRY
+from safetensors.torch import load_file, save_file
 
 from services.trainer import cli as trainer_cli
 from services.trainer import export
@@ -29,6 +30,7 @@ from services.trainer.train import train
 from shared import layout
 from shared.datasets import iter_dataset_file
 from shared.errors import ConfigurationError
+from shared.provenance import IncompatibleProvenance, sha256_bytes
 from shared.schemas import Manifest
 from shared.settings import Settings
 from shared.storage import open_storage
@@ -272,6 +274,46 @@ def test_a_drafter_trained_on_the_fp8_copy_learns_as_the_bf16_one(
     assert fp8["heldout"]["simulated_acceptance_length"] == pytest.approx(
         bf16["heldout"]["simulated_acceptance_length"], rel=0.05
     )
+
+
+def test_the_job_records_what_makes_its_states_comparable_and_exports_carry_it(
+    short_run: dict, extracted_job: ExtractedJob, tmp_path: Path
+) -> None:
+    provenance = extracted_job.job.provenance
+    assert provenance is not None
+    assert provenance.aux_layer_ids == extracted_job.job.aux_layer_ids
+    assert provenance.aux_layer_convention == "decoder layer i output = HF hidden_states[i + 1]"
+    assert (provenance.final_state, provenance.dtype, provenance.storage_dtype) == ("post_norm", "bfloat16", "bfloat16")
+    assert provenance.chat_template_sha256 == extracted_job.job.model.template_hash
+    storage = open_storage(extracted_job.storage_url)
+    assert provenance.vocab_mapping_sha256 == sha256_bytes(storage.get(layout.vocab_mapping(extracted_job.job_id)))
+    checkpoint = torch.load(io.BytesIO(storage.get(short_run["checkpoint_key"])), weights_only=True)
+    assert checkpoint["provenance"] == provenance.model_dump()
+    for engine in ("sglang", "vllm"):
+        out = export_checkpoint(
+            short_run["checkpoint_key"],
+            tmp_path / engine,
+            settings=settings_for(extracted_job.storage_url, tmp_path),
+            engine=engine,
+        )
+        record = json.loads((out / "eagle3_provenance.json").read_text())
+        assert record["provenance"] == provenance.model_dump() and record["step"] == 40
+
+
+def test_training_with_other_target_weights_is_refused_naming_the_field(
+    extracted_job: ExtractedJob, tmp_path: Path
+) -> None:
+    other = tmp_path / "other-target"
+    shutil.copytree(extracted_job.model_dir, other)
+    weights = load_file(other / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith("mlp.up_proj.weight"))
+    weights[name] = weights[name] * 1.01  # same shapes and config, other weights
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(IncompatibleProvenance, match=r"provenance field target_weights_sha256 is"):
+        train(
+            config(extracted_job.job_id, run_name="other", model_path=str(other), max_steps=1),
+            settings=settings_for(extracted_job.storage_url, tmp_path),
+        )
 
 
 def test_no_trainer_source_loads_with_weights_only_false() -> None:
