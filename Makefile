@@ -6,7 +6,7 @@ EAGLE3 := $(VENV)/bin/eagle3
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: install demo test lint bench clean up down logs k8s-render k8s-validate
+.PHONY: install demo test test-fast lint bench clean up down logs k8s-render k8s-validate
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ demo: install
 test: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q --durations=15
+
+# Everything not marked slow (no real model, no stack of processes): the loop while editing.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --durations=10
 
 # Benchmarks print tables of medians and ratios against a baseline run in the same command.
 bench: install
@@ -78,3 +82,9 @@ k8s-validate: k8s-render
 
 clean:
 	rm -rf $(VENV) .eagle3 $(K8S_OUT)
+
+# Qualify a SGLang release with the capture plugin: golden check, conformance suite and capture benchmark against a
+# running capture server (docs/sglang.md). SGLANG_SHM_DIR: its shared directory as mounted here (optional).
+.PHONY: sglang-qualify
+sglang-qualify: install
+	PY=$(PY) scripts/sglang_qualify.sh $(SGLANG_URL) $(SGLANG_MODEL) $(SGLANG_SHM_DIR)

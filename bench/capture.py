@@ -2,8 +2,8 @@
 server driven directly over HTTP, and against the full worker data path (capture over HTTP, validation, sample
 files written by the writer pool). Same model, same prompts, alternating runs; medians and ratios.
 
-DESIGN.md targets on an H100 with the Llama-3.1-8B shape: end to end >= 0.95 x bare prefill, and the reference
-backend >= 38K tokens/s.
+Targets (docs/benchmarks.md) on an H100 with the Llama-3.1-8B shape: end to end >= 0.95 x bare prefill, and the
+reference backend >= 38K tokens/s.
 
     python -m bench.capture --model smollm2 --prompts 32 --prompt-tokens 256          # CPU, this machine
     python -m bench.capture --model llama-3.1-8b-random --prompts 64 --prompt-tokens 2048 --json OUT   # GPU host
@@ -15,6 +15,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,39 +24,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench.capture_model import bench_prompts, capture_model
 from bench.common import bench_job, in_processes, reference_server
-from shared.extraction import capture_and_write
+from shared.capture_protocol import default_aux_layer_ids
 from shared.inference_client import InferenceClient
-from shared.jobs import default_aux_layer_ids
-from shared.model_assets import resolve_model_path
+from shared.kinds.extract import capture_and_write
 from shared.schemas import JobRecord, SampleInput
 from shared.storage import FileStorage
-
-LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-               "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-               "rope_theta": 500000.0, "rms_norm_eps": 1e-5}  # fmt: skip
-
-
-def random_llama_8b(out_dir: Path) -> Path:
-    """A Llama-3.1-8B-shaped model with random bf16 weights (no hub here), saved once as a Hugging Face folder."""
-    if (out_dir / "config.json").exists():
-        return out_dir
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.builders import build_tiny_llama
-
-    build_tiny_llama(out_dir)  # the tokenizer; its model files are replaced below
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_31_8B, torch_dtype="bfloat16")).to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-def capture_model(name: str, work: Path) -> tuple[Path, dict[str, Any]]:
-    """The model a capture benchmark runs ("llama-3.1-8b-random", "smollm2" or a local folder) and its config."""
-    model_dir = random_llama_8b(work / name) if name == "llama-3.1-8b-random" else resolve_model_path(name)
-    return model_dir, json.loads((model_dir / "config.json").read_text())
 
 
 def bare_prefill_rate(model_dir: Path, prompts: list[list[int]], batch_tokens: int, repeats: int) -> float:
@@ -86,25 +61,102 @@ def bare_prefill_rate(model_dir: Path, prompts: list[list[int]], batch_tokens: i
     return sum(map(len, prompts)) / statistics.median(times)
 
 
-def _write_share(
-    url: str,
-    storage: FileStorage,
-    job: JobRecord,
-    samples: list[SampleInput],
-    args: argparse.Namespace,
-    shm_dir: Path,
-    processes: int,
-    p: int,
-) -> None:
+@dataclass(frozen=True)
+class Workload:
+    """The prompts of one capture benchmark, as bare prompts and as a job's samples."""
+
+    prompts: list[list[int]]
+    samples: list[SampleInput]
+    job: JobRecord
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.job.aux_layer_ids
+
+
+def workload(config: dict[str, Any], prompts: int, prompt_tokens: int) -> Workload:
+    layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    bare = bench_prompts(prompts, prompt_tokens, vocab)
+    samples = [
+        SampleInput(sample_index=i, sample_id=f"p{i}", line=i + 1, input_ids=p, loss_mask=[1] * len(p))
+        for i, p in enumerate(bare)
+    ]
+    job = bench_job(
+        hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, aux_layer_ids=default_aux_layer_ids(layers)
+    )
+    return Workload(bare, samples, job)
+
+
+@dataclass(frozen=True)
+class CaptureRun:
+    """How the worker side drives a server: requests in flight, transport, worker processes, writer threads."""
+
+    concurrency: int
+    transport: str
+    shm_dir: Path | None
+    worker_processes: int = 1
+    write_concurrency: int = 4
+
+
+def capture_direct_seconds(url: str, work: Workload, run: CaptureRun, label: str) -> float:
+    """Seconds to capture every prompt with the project's client, `run.concurrency` in flight; tensors dropped."""
+    with InferenceClient(
+        url, timeout_s=900, max_concurrency=run.concurrency, transport=run.transport, shm_dir=run.shm_dir
+    ) as client:
+        started = time.perf_counter()
+        for _ in client.capture_many([(f"{label}/{i}", p) for i, p in enumerate(work.prompts)], work.aux_layer_ids):
+            pass
+        return time.perf_counter() - started
+
+
+def end_to_end_seconds(url: str, work: Workload, run: CaptureRun, out_dir: Path) -> float:
+    """Seconds for the worker's path (capture, validate, encode, hash, write each sample file create-only) in
+    `run.worker_processes` processes at once; the files are removed afterwards."""
+    storage = FileStorage(str(out_dir), fsync=False)
+    P = run.worker_processes
+    try:
+        return in_processes(P, partial(_write_share, url, storage, work, run, P))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _write_share(url: str, storage: FileStorage, work: Workload, run: CaptureRun, processes: int, p: int) -> None:
     """One worker process's share: its own client, the in-flight requests split between the processes."""
     with InferenceClient(
         url,
         timeout_s=900,
-        max_concurrency=max(1, args.concurrency // processes),
-        transport=args.transport,
-        shm_dir=shm_dir,
+        max_concurrency=max(1, run.concurrency // processes),
+        transport=run.transport,
+        shm_dir=run.shm_dir,
     ) as client:
-        capture_and_write(storage, job, p, samples[p::processes], client, write_concurrency=args.write_concurrency)
+        capture_and_write(
+            storage, work.job, p, work.samples[p::processes], client, write_concurrency=run.write_concurrency
+        )
+
+
+def reference_rates(
+    model_dir: Path, work: Workload, run: CaptureRun, *, batch_tokens: int, repeats: int, scratch: Path
+) -> dict[str, float]:
+    """Tokens/s of the reference backend: bare prefill in this process, its server driven directly, end to end."""
+    bare = bare_prefill_rate(model_dir, work.prompts, batch_tokens, repeats)
+    shm_dir = scratch / "shm"
+    run = replace(run, shm_dir=shm_dir)
+    direct_s, e2e_s = [], []
+    env = {"EAGLE3_INFERENCE_MAX_BATCH_TOKENS": str(batch_tokens)}
+    with reference_server(model_dir, shm_dir=shm_dir, log=scratch / "server.log", env=env) as url:
+        capture_direct_seconds(url, replace(work, prompts=work.prompts[: run.concurrency]), run, "warm")
+        for r in range(repeats):
+            direct_s.append(capture_direct_seconds(url, work, run, f"direct/{r}"))
+            e2e_s.append(end_to_end_seconds(url, work, run, scratch / "out" / f"run-{r}"))
+    return {
+        "bare_prefill_tokens_s": bare,
+        "server_direct_tokens_s": work.tokens / statistics.median(direct_s),
+        "end_to_end_tokens_s": work.tokens / statistics.median(e2e_s),
+    }
 
 
 def main() -> None:
@@ -119,49 +171,18 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8192, help="the server's EAGLE3_INFERENCE_MAX_BATCH_TOKENS")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "eagle3-bench")
-    parser.add_argument("--out-dir", type=Path, default=None, help="where sample files go (default: under --work)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
 
     model_dir, config = capture_model(args.model, args.work)
-    layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
-    aux = default_aux_layer_ids(layers)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(100, min(vocab, 30000), (args.prompt_tokens,), generator=generator).tolist()
-        for _ in range(args.prompts)
-    ]
-    samples = [
-        SampleInput(sample_index=i, sample_id=f"p{i}", line=i + 1, input_ids=p, loss_mask=[1] * len(p))
-        for i, p in enumerate(prompts)
-    ]
-    job = bench_job(hidden_size=hidden, num_hidden_layers=layers, vocab_size=vocab, aux_layer_ids=aux)
-    tokens = sum(map(len, prompts))
-
-    bare = bare_prefill_rate(model_dir, prompts, args.batch_tokens, args.repeats)
-    shm_dir = args.work / "shm"
-    out_root = args.out_dir or args.work / "out"
-    direct_s, e2e_s = [], []
-    with (
-        reference_server(model_dir, shm_dir=shm_dir, log=args.work / "server.log") as url,
-        InferenceClient(
-            url, timeout_s=900, max_concurrency=args.concurrency, transport=args.transport, shm_dir=shm_dir
-        ) as client,
-    ):
-        requests = [(f"warm/{i}", p) for i, p in enumerate(prompts[: args.concurrency])]
-        list(client.capture_many(requests, aux))
-        for r in range(args.repeats):
-            started = time.perf_counter()
-            for _ in client.capture_many([(f"direct/{r}/{i}", p) for i, p in enumerate(prompts)], aux):
-                pass
-            direct_s.append(time.perf_counter() - started)
-            storage = FileStorage(str(out_root / f"run-{r}"), fsync=False)
-            P = args.worker_processes
-            e2e_s.append(in_processes(P, partial(_write_share, url, storage, job, samples, args, shm_dir, P)))
-            shutil.rmtree(out_root / f"run-{r}")
-
-    direct, e2e = tokens / statistics.median(direct_s), tokens / statistics.median(e2e_s)
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    work = workload(config, args.prompts, args.prompt_tokens)
+    run = CaptureRun(args.concurrency, args.transport, None, args.worker_processes, args.write_concurrency)
+    rates = reference_rates(
+        model_dir, work, run, batch_tokens=args.batch_tokens, repeats=args.repeats, scratch=args.work
+    )
+    bare, direct, e2e = rates["bare_prefill_tokens_s"], rates["server_direct_tokens_s"], rates["end_to_end_tokens_s"]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     table = Table(
         title=f"{args.model} ({layers} layers, hidden {hidden}) on {device}: {args.prompts} prompts x "
@@ -176,23 +197,17 @@ def main() -> None:
     table.add_row("end to end: capture, validate, write files", f"{e2e:.0f}", f"{e2e / bare:.2f}")
     Console().print(table)
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "model": args.model,
-                    "device": device,
-                    "prompts": args.prompts,
-                    "prompt_tokens": args.prompt_tokens,
-                    "concurrency": args.concurrency,
-                    "transport": args.transport,
-                    "worker_processes": args.worker_processes,
-                    "bare_prefill_tokens_s": bare,
-                    "server_direct_tokens_s": direct,
-                    "end_to_end_tokens_s": e2e,
-                },
-                indent=2,
-            )
-        )
+        summary = {
+            "model": args.model,
+            "device": device,
+            "prompts": args.prompts,
+            "prompt_tokens": args.prompt_tokens,
+            "concurrency": args.concurrency,
+            "transport": args.transport,
+            "worker_processes": args.worker_processes,
+            **rates,
+        }
+        args.json.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

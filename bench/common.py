@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from shared.local_stack import free_port
+from eagle3.local_stack import free_port
 from shared.schemas import JobRecord, JobSpec, ModelRecord
 
 

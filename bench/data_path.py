@@ -1,6 +1,6 @@
 """Worker data path: GB/s from received capture bytes to committed local storage (decode, validate,
 encode, sha256, create-only write), with the worker's writer pool, against torch.save of the same
-tensors to the same directory in the same process. DESIGN.md target: >= 3 GB/s per worker.
+tensors to the same directory in the same process. Target: >= 3 GB/s per worker.
 
     python -m bench.data_path [--tokens 2048] [--hidden 4096] [--samples 16] [--threads 4] [--dir DIR] [--json OUT]
 """
@@ -25,7 +25,7 @@ from rich.table import Table
 
 from bench.common import bench_job, in_processes
 from shared.capture_protocol import CapturedStates, decode_capture_body, encode_capture_body
-from shared.extraction import commit_sample
+from shared.kinds.extract import commit_sample
 from shared.schemas import JobRecord, SampleInput
 from shared.shard_format import encode_sample, validate_capture
 from shared.storage import open_storage

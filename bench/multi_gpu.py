@@ -37,13 +37,13 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_file
 
-from bench.capture import capture_model
+from bench.capture_model import capture_model
 from bench.common import bench_job, in_processes, reference_server
 from services.trainer.checkpoint import latest_key
 from shared import layout
-from shared.extraction import capture_and_write, describe_sample
+from shared.capture_protocol import default_aux_layer_ids
 from shared.inference_client import InferenceClient
-from shared.jobs import default_aux_layer_ids
+from shared.kinds.extract import capture_and_write, describe_sample
 from shared.schemas import JobRecord, Manifest, SampleInput, utc_now
 from shared.shard_format import encode_sample
 from shared.storage import FileStorage
@@ -139,22 +139,7 @@ def synthetic_job(storage: FileStorage, target: Path, shape: dict[str, Any], *, 
     mapping = build_vocab_mapping(counts, target_vocab_size=vocab, draft_vocab_size=shape["draft_vocab_size"])
     storage.put(layout.vocab_mapping(job_id), vocab_mapping_bytes(mapping))
     for entry in entries:  # one sample per shard: the data order is a pure function of the seed
-        manifest = Manifest(
-            job_id=job_id,
-            shard_index=entry.sample_index,
-            aux_layer_ids=job.aux_layer_ids,
-            hidden_size=hidden,
-            dtype="bfloat16",
-            samples=[entry],
-            num_samples=1,
-            num_tokens=seq_len,
-            loss_tokens=seq_len,
-            bytes=entry.bytes,
-            worker="bench",
-            started_at=utc_now(),
-            committed_at=utc_now(),
-            timings_s={},
-        )
+        manifest = Manifest.of(job, entry.sample_index, [entry], worker="bench", committed_at=utc_now())
         storage.put(layout.manifest(job_id, entry.sample_index), manifest.model_dump_json().encode())
     storage.put(layout.job_json(job_id), job.model_dump_json(indent=2).encode())
     return job_id
@@ -178,7 +163,7 @@ def run_trainer(job_id: str, work: Path, *, processes: int, grad_accum: int, arg
         "--standalone",
         f"--nproc_per_node={processes}",
         "-m",
-        "services.cli",
+        "eagle3",
         "train",
         "--job",
         job_id,

@@ -1,6 +1,6 @@
 """Pipeline efficiency: extraction tokens/s through producer, Redis, Celery workers and storage, against the
 reference server's own tokens/s when driven directly at the same concurrency. Same server, same process,
-alternating runs; prints medians and the ratio (DESIGN.md target: >= 0.9).
+alternating runs; prints medians and the ratio (target: >= 0.9).
 
     python -m bench.pipeline [--conversations 200] [--workers 2] [--repeats 3]
 """
@@ -17,12 +17,12 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from eagle3.local_stack import LocalStack
 from shared import layout, progress
+from shared.capture_protocol import default_aux_layer_ids
 from shared.datasets import Conversation, read_dataset
 from shared.demo_data import write_demo_dataset
 from shared.inference_client import InferenceClient
-from shared.jobs import default_aux_layer_ids
-from shared.local_stack import LocalStack
 from shared.model_assets import resolve_model_path
 from shared.schemas import Manifest
 from shared.settings import Settings

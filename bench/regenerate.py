@@ -23,11 +23,11 @@ import redis
 from rich.console import Console
 from rich.table import Table
 
+from eagle3.local_stack import LocalStack
 from shared import layout, progress
 from shared.datasets import Conversation, Message
 from shared.demo_data import write_demo_dataset
 from shared.inference_client import InferenceClient
-from shared.local_stack import LocalStack
 from shared.model_assets import resolve_model_path
 from shared.settings import Settings
 from shared.storage import open_storage

@@ -25,9 +25,10 @@ from bench.common import reference_server
 from services.trainer.config import TrainConfig
 from services.trainer.evaluate import acceptance_table, evaluate_prompt_files
 from services.trainer.train import train
-from shared import extraction, jobs, layout
+from shared import jobs, layout, shards
 from shared.demo_data import write_demo_dataset
 from shared.inference_client import InferenceClient
+from shared.kinds import EXTRACT
 from shared.local_stack import free_port
 from shared.model_assets import resolve_model_path
 from shared.schemas import JobSpec, Manifest
@@ -56,12 +57,11 @@ def extract(job_id: str, storage_dtype: str, dataset: Path, model_dir: Path, set
     storage = open_storage(settings.storage_url, settings)
     client = redis.Redis.from_url(str(settings.redis_url))
     spec = JobSpec(dataset_url=str(dataset), model_path=str(model_dir), job_id=job_id, storage_dtype=storage_dtype)
-    job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=lambda job_id, shard: None)
+    job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=lambda *task: None)
     with InferenceClient(url, timeout_s=600, max_concurrency=2, transport="body", shm_dir=settings.home) as inference:
+        ctx = shards.ShardContext(storage, client, settings, worker="bench", states={"extract": inference})
         for shard_index in range(job.shards_total):
-            extraction.extract_shard(
-                job_id, shard_index, storage=storage, redis_client=client, inference=inference, worker="bench"
-            )
+            shards.run_shard(EXTRACT, job_id, shard_index, ctx)
     manifests = [Manifest.model_validate_json(storage.get(k)) for k in storage.list(layout.manifests_prefix(job_id))]
     samples = [sample for manifest in manifests for sample in manifest.samples]
     return sum(s.bytes for s in samples) / sum(s.num_tokens for s in samples)

@@ -4,7 +4,7 @@ AdamW) on random data, at a model's dimensions and batch shapes. Median of sever
 Shapes:
 - llama3-8b: Llama-3.1-8B (hidden 4096, intermediate 14336, 32/8 heads, target vocab 128256, draft vocab 32000),
   batches 1x2048 and 4x2048, TTT 7: the shape of SpecForge's anchor (17.5K / 24.2K tokens/s on one H100,
-  shared/reference/gpu_anchors.md). CUDA only.
+  docs/benchmarks.md). CUDA only.
 - smollm2-135m: SmolLM2-135M, the CPU demo's target (hidden 576, 9/3 heads, target vocab 49152, draft 32000).
 - small: a small CPU shape for a quick look.
 

@@ -5,7 +5,7 @@ Compares, on random data (no model files: the embedding and the target head are 
   and the whole TTT loss and gradients of each variant against the eager one on the same weights and batch;
 - throughput: one optimizer step (bf16 autocast, fp32 master weights, TTT 7, clip 0.5, fused AdamW), median of
   the timed steps after warm-up, and peak GPU memory, at 1x2048 and 4x2048, the shapes of SpecForge's anchor
-  (17.5K / 24.2K tokens/s on one H100, shared/reference/gpu_anchors.md);
+  (17.5K / 24.2K tokens/s on one H100, docs/benchmarks.md);
 - a torch.profiler table of one fast step at 4x2048.
 
 Variants: eager (eager attention, eager loss), fast (sdpa attention, fused loss), fast+compile (fast plus
@@ -31,7 +31,7 @@ from services.trainer.loss import Batch, fused_soft_cross_entropy, soft_cross_en
 TTT_LENGTH = 7
 SHAPES = [(1, 2048), (4, 2048)]
 DEVICE = torch.device("cuda")  # --smoke: a tiny model on the CPU, to check this script without a GPU
-SPECFORGE_TOKENS_PER_S = {(1, 2048): 17532, (4, 2048): 24187}  # shared/reference/gpu_anchors.md, one H100
+SPECFORGE_TOKENS_PER_S = {(1, 2048): 17532, (4, 2048): 24187}  # docs/benchmarks.md, one H100
 VARIANTS = {  # name: (attn_implementation, loss_implementation, compile_backbone)
     "eager": ("eager", "eager", False),
     "fast": ("sdpa", "fused", False),

@@ -14,8 +14,10 @@ The bytes are standard safetensors (tests read them with the `safetensors` libra
 
 import json
 import math
+import mmap
 import os
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +25,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from shared.errors import InferenceProtocolError
+from shared.errors import Eagle3Error, InferenceProtocolError
 
 CAPTURE_CONTENT_TYPE = "application/vnd.eagle3.capture+safetensors"
 CAPTURE_DTYPE = torch.bfloat16
@@ -46,6 +48,8 @@ _NAME_BY_DTYPE = {dtype: name for name, dtype in _DTYPE_BY_NAME.items()}
 _HEADER_LENGTH_BYTES = 8  # little-endian u64 in front of the JSON header
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 
+NUM_AUX_LAYERS = 3  # EAGLE-3 concatenates three aux layers: a capture names exactly three layer ids
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Request and model-info models
@@ -57,7 +61,7 @@ class CaptureSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # 0-indexed decoder layers whose residual-stream output is captured: Hugging Face output_hidden_states[i + 1].
-    aux_layer_ids: list[StrictInt] = Field(min_length=3, max_length=3)
+    aux_layer_ids: list[StrictInt] = Field(min_length=NUM_AUX_LAYERS, max_length=NUM_AUX_LAYERS)
     transport: Literal["body", "shm"] = "body"
 
 
@@ -70,7 +74,8 @@ class SamplingParams(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0)  # 0 is greedy
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(default=-1, description="-1 keeps the whole vocabulary")
-    seed: StrictInt | None = None
+    # SGLang's name (its SamplingParams has no `seed`): the same request then works on both backends.
+    sampling_seed: StrictInt | None = None
     stop_token_ids: list[StrictInt] = Field(default_factory=list)
     skip_special_tokens: bool = True
 
@@ -139,6 +144,101 @@ def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
     """EAGLE-3's default capture layers for an N-layer target: [1, N//2 - 1, N - 4] (SpecForge, SGLang)."""
     n = num_hidden_layers
     return [1, n // 2 - 1, n - 4]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Request checks: one copy for every backend, so a worker gets the same 400 for the same request from each
+
+
+class InvalidRequest(Eagle3Error):
+    """A request the server cannot serve (HTTP 400); the message names the field and the reason."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field, self.reason = field, reason
+
+    @classmethod
+    def from_validation_errors(cls, errors: Iterable[Mapping[str, Any]]) -> "InvalidRequest":
+        """pydantic's errors of a request body as one message, "field.path: reason; ..." (FastAPI's "body"
+        prefix dropped, a validator's message without pydantic's "Value error, ")."""
+        messages = []
+        for error in errors:
+            location = ".".join(str(part) for part in error["loc"] if part != "body")
+            reason = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+            messages.append(f"{location}: {reason}" if location else reason)
+        return cls("", "; ".join(messages))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the served model and the server's context."""
+
+    num_hidden_layers: int
+    vocab_size: int  # token ids must lie in [0, vocab_size)
+    max_context_length: int  # the longest prompt the server runs
+
+
+def check_request(
+    prompts: list[list[int]],
+    is_batch: bool,
+    params: SamplingParams,
+    capture: CaptureSpec | None,
+    limits: RequestLimits,
+) -> None:
+    """Raise InvalidRequest, naming the field, for a request this server cannot serve.
+
+    The shape of the body (types, unknown fields, three layer ids) is GenerateRequest's; this checks the values
+    against the model: prompts, token ids, lengths, layer ids, and that a capture decodes at most one token.
+    """
+    if not prompts:
+        raise InvalidRequest("input_ids", "no prompts")
+    for b, prompt in enumerate(prompts):
+        name = f"input_ids[{b}]" if is_batch else "input_ids"
+        if not prompt:
+            raise InvalidRequest(name, "empty prompt")
+        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
+            position, token_id = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < limits.vocab_size)
+            raise InvalidRequest(
+                f"{name}[{position}]", f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})"
+            )
+        if len(prompt) > limits.max_context_length:
+            raise InvalidRequest(
+                name, f"prompt of {len(prompt)} tokens exceeds max_context_length {limits.max_context_length}"
+            )
+        if params.max_new_tokens > 1 and len(prompt) + params.max_new_tokens > limits.max_context_length:
+            raise InvalidRequest(
+                "sampling_params.max_new_tokens",
+                f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
+                f"max_context_length {limits.max_context_length}",
+            )
+    if capture is None:
+        return
+    for layer_id in capture.aux_layer_ids:
+        if not 0 <= layer_id < limits.num_hidden_layers:
+            raise InvalidRequest(
+                "capture.aux_layer_ids",
+                f"layer id {layer_id} is outside [0, {limits.num_hidden_layers}) for this "
+                f"{limits.num_hidden_layers}-layer model",
+            )
+    if params.max_new_tokens > 1:
+        raise InvalidRequest(
+            "sampling_params.max_new_tokens",
+            f"a capture request runs the prompt once and generates at most 1 token, got {params.max_new_tokens}",
+        )
+
+
+def request_ids(rid: str | list[str] | None, n_prompts: int, is_batch: bool) -> list[str]:
+    """One unique id per prompt: the request's, else generated."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n_prompts)]
+    if is_batch != isinstance(rid, list):
+        raise InvalidRequest("rid", "give one string for a single prompt and a list for a batch")
+    rids = rid if isinstance(rid, list) else [rid]
+    if len(rids) != n_prompts:
+        raise InvalidRequest("rid", f"{len(rids)} ids for {n_prompts} prompts")
+    if len(set(rids)) != len(rids):
+        raise InvalidRequest("rid", "ids must be unique within a request")
+    return rids
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -219,13 +319,15 @@ def write_capture_file(directory: Path, name: str, states: CapturedStates) -> Pa
 
 
 def read_capture_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux_hidden_state, hidden_state) of a file written by write_capture_file; raises InferenceProtocolError."""
+    """(aux_hidden_state, hidden_state) of a file written by write_capture_file; raises InferenceProtocolError.
+
+    The tensors view a private, copy-on-write mapping of the file rather than a copy of it: no bytes are copied
+    to read 64 MB, and deleting the file afterwards (the reader owns it) leaves the tensors valid."""
     with open(path, "rb") as f:
-        # Read into a writable buffer that the tensors then view: one copy, from the page cache.
-        data = bytearray(os.fstat(f.fileno()).st_size)
-        n_read = f.readinto(data)
-    if n_read != len(data):
-        raise InferenceProtocolError(f"capture file {path}: read {n_read} of {len(data)} bytes")
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise InferenceProtocolError(f"capture file {path}: empty")
+        data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
     try:
         tensors, _ = _read_safetensors(data)
     except InferenceProtocolError as exc:
@@ -275,7 +377,9 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return out
 
 
-def _read_safetensors(data: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def _read_safetensors(
+    data: bytes | bytearray | memoryview | mmap.mmap,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata; every offset is checked before it is used.
 
     The tensors are views over `data` when it is writable (a bytearray), else over a private copy: a tensor

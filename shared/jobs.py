@@ -1,13 +1,14 @@
-"""Job submission: read and tokenize the dataset, build the vocab mapping, plan shards, check the budget,
-write job.json and the shard inputs, then enqueue one task per shard. Also resume and cancel."""
+"""A job of any kind, from the producer's side: submit (services up, model folder, job id, tokenizer, layer ids, the
+dataset with its rejected lines, the kind's plan, budget, plan files, job.json, one task per shard), resume and the
+job record's loading. What differs between kinds comes from shared/kinds/."""
 
-import json
 import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import redis
@@ -17,47 +18,18 @@ import transformers
 import shared
 from shared import layout, progress
 from shared.datasets import InvalidRecord, read_dataset
-from shared.errors import (
-    ConfigurationError,
-    DependencyUnavailable,
-    Eagle3Error,
-    JobNotFound,
-    OverBudget,
-    SubmitError,
-)
-from shared.provenance import compute_provenance
-from shared.schemas import (
-    JobRecord,
-    JobSpec,
-    ModelRecord,
-    RejectedSample,
-    SampleInput,
-    ShardInput,
-    StorageDtype,
-    utc_now,
-)
+from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
+from shared.kinds import kind_of
+from shared.kinds.base import Target
+from shared.schemas import JobRecord, JobSpec, RejectedSample, utc_now
 from shared.settings import Settings
+from shared.shards import load_job, load_shard_input
 from shared.storage import ObjectNotFound, Storage, open_storage
-from shared.tokenization import ChatTokenizer, TokenizedSample
-from shared.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
+from shared.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
 
-Enqueue = Callable[[str, int], None]
-# torch.save's zip container and the int64 input_ids/loss_mask add a little to the raw bf16 bytes.
-PER_SAMPLE_OVERHEAD_BYTES = 1536
-
-
-def default_aux_layer_ids(num_hidden_layers: int) -> list[int]:
-    """EAGLE-3's low, middle and high layers: HF output_hidden_states[i + 1] for each id."""
-    return [1, num_hidden_layers // 2 - 1, num_hidden_layers - 4]
-
-
-def bytes_per_token(hidden_size: int, storage_dtype: StorageDtype = "bfloat16") -> int:
-    # 3 aux + 1 final state in bf16, plus int64 input_ids and loss_mask; fp8 adds 4 float32 scales (shard_format.py).
-    if storage_dtype == "fp8_e4m3":
-        return 4 * hidden_size * 1 + 4 * 4 + 2 * 8
-    return 4 * hidden_size * 2 + 2 * 8
+Enqueue = Callable[[str, str, int], None]  # (kind, job id, shard index): sends one shard task
 
 
 def new_job_id() -> str:
@@ -104,169 +76,108 @@ def check_services(settings: Settings, storage: Storage, client: redis.Redis) ->
         raise DependencyUnavailable(f"storage {storage.url} is not usable: {exc}") from exc
 
 
-def plan_shards(samples: list[TokenizedSample], token_budget: int) -> list[list[int]]:
-    """Consecutive samples grouped until the next would pass the token budget; deterministic in input order."""
-    shards: list[list[int]] = []
-    current: list[int] = []
-    tokens = 0
-    for index, sample in enumerate(samples):
-        if current and tokens + sample.num_tokens > token_budget:
-            shards.append(current)
-            current, tokens = [], 0
-        current.append(index)
-        tokens += sample.num_tokens
-    if current:
-        shards.append(current)
-    return shards
-
-
 def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> JobRecord:
-    """Plan a job and enqueue its shards. Raises SubmitError (OverBudget among them) before anything is enqueued."""
+    """Plan a job of any kind and enqueue its shards. Raises SubmitError (OverBudget among them) before anything is
+    enqueued; a job whose job.json exists is fully planned."""
     started = time.monotonic()
-    if spec.kind != "extract":
-        raise SubmitError(f"job kind {spec.kind!r}: jobs.submit plans extraction jobs (see shared/regeneration.py)")
+    kind = kind_of(spec.kind)
     check_services(settings, storage, client)
     model_path = resolve_model(spec, settings)
     job_id = spec.job_id or new_job_id()
     if storage.exists(layout.job_json(job_id)):
         raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
+    kind.check_spec(spec, settings)
     try:
         tokenizer = ChatTokenizer.from_pretrained(model_path)
     except ConfigurationError as exc:
         raise SubmitError(str(exc)) from exc
-    model_config = json.loads((model_path / "config.json").read_text())
-    num_layers, hidden_size = model_config["num_hidden_layers"], model_config["hidden_size"]
-    aux_layer_ids = spec.aux_layer_ids or default_aux_layer_ids(num_layers)
-    if sorted(aux_layer_ids) != aux_layer_ids or not all(0 <= i < num_layers for i in aux_layer_ids):
-        raise SubmitError(f"aux_layer_ids {aux_layer_ids}: must be increasing ids in [0, {num_layers})")
+    target = Target.load(model_path, tokenizer, spec.aux_layer_ids)
+    check_aux_layer_ids(target.aux_layer_ids, target.num_hidden_layers)
 
-    samples: list[TokenizedSample] = []
+    accepted: list[Any] = []
     rejected: list[RejectedSample] = []
-    for item in read_dataset(read_dataset_lines(spec.dataset_url, settings)):
+    for record in read_dataset(read_dataset_lines(spec.dataset_url, settings)):
         try:
-            if isinstance(item, InvalidRecord):
-                raise item
-            samples.append(tokenizer.tokenize(item, max_length=spec.max_length, length_policy=spec.length_policy))
+            if isinstance(record, InvalidRecord):
+                raise record
+            accepted.append(kind.accept(record, spec, target))
         except InvalidRecord as exc:
             rejected.append(RejectedSample(sample_id=exc.sample_id, line=exc.line, field=exc.field, reason=exc.reason))
-    if not samples:
+    if not accepted:
         raise SubmitError(
             f"dataset {spec.dataset_url}: no usable sample ({len(rejected)} rejected, e.g. {first_rejection(rejected)})"
         )
 
-    per_token = bytes_per_token(hidden_size, spec.storage_dtype)
-    tokens_total = sum(s.num_tokens for s in samples)
-    projected = tokens_total * per_token + len(samples) * PER_SAMPLE_OVERHEAD_BYTES
-    if settings.storage_budget_bytes is not None and projected > settings.storage_budget_bytes:
-        raise OverBudget(
-            f"job would store about {projected / 1e9:.2f} GB ({tokens_total} tokens x {per_token} bytes/token) "
-            f"but the storage budget is {settings.storage_budget_bytes / 1e9:.2f} GB (EAGLE3_STORAGE_BUDGET_BYTES)"
-        )
-
-    target_vocab = tokenizer.vocab_size
-    mapping = build_vocab_mapping(
-        count_loss_tokens(samples),
-        target_vocab_size=target_vocab,
-        draft_vocab_size=min(spec.draft_vocab_size, target_vocab),
+    spec = spec.model_copy(
+        update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": target.aux_layer_ids}
     )
-    plan = plan_shards(samples, spec.shard_token_budget)
-    mapping_bytes = vocab_mapping_bytes(mapping)
-
+    plan = kind.plan(job_id, spec, target, accepted)
+    if settings.storage_budget_bytes is not None and plan.projected_bytes > settings.storage_budget_bytes:
+        raise OverBudget(
+            f"job would store about {plan.projected_bytes / 1e9:.2f} GB ({plan.tokens_total} tokens x "
+            f"{plan.bytes_per_token} bytes/token) but the storage budget is "
+            f"{settings.storage_budget_bytes / 1e9:.2f} GB (EAGLE3_STORAGE_BUDGET_BYTES)"
+        )
     job = JobRecord(
         job_id=job_id,
         created_at=utc_now(),
-        spec=spec.model_copy(update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": aux_layer_ids}),
-        model=ModelRecord(
-            path=str(model_path),
-            architecture=(model_config.get("architectures") or ["unknown"])[0],
-            num_hidden_layers=num_layers,
-            hidden_size=hidden_size,
-            vocab_size=target_vocab,
-            template_hash=tokenizer.template_hash,
-        ),
-        aux_layer_ids=aux_layer_ids,
-        hidden_size=hidden_size,
-        bytes_per_token=per_token,
-        samples_total=len(samples),
+        spec=spec,
+        model=target.record(),
+        aux_layer_ids=target.aux_layer_ids,
+        hidden_size=target.hidden_size,
+        bytes_per_token=plan.bytes_per_token,
+        samples_total=plan.samples_total,
         samples_rejected=len(rejected),
-        samples_truncated=sum(s.truncated for s in samples),
-        tokens_total=tokens_total,
-        loss_tokens_total=sum(sum(s.loss_mask) for s in samples),
-        shards_total=len(plan),
-        projected_bytes=projected,
-        draft_vocab_size=mapping.draft_vocab_size,
-        vocab_coverage=mapping.coverage,
+        tokens_total=plan.tokens_total,
+        shards_total=len(plan.shards),
+        projected_bytes=plan.projected_bytes,
         versions={"eagle3": shared.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-        provenance=compute_provenance(
-            model_path,
-            chat_template_sha256=tokenizer.template_hash,
-            aux_layer_ids=aux_layer_ids,
-            dtype="bfloat16",  # what every inference server returns (shared/shard_format.py HIDDEN_DTYPE)
-            storage_dtype=spec.storage_dtype,
-            vocab_mapping=mapping_bytes,
-        ),
+        **plan.record,
     )
 
-    storage.put(layout.vocab_mapping(job_id), mapping_bytes)
+    for key, data in plan.files.items():
+        storage.put(key, data)
     storage.put(layout.rejected(job_id), "".join(r.model_dump_json() + "\n" for r in rejected).encode())
-    sample_index = 0
-    for shard_index, members in enumerate(plan):
-        shard = ShardInput(job_id=job_id, shard_index=shard_index, samples=[])
-        for member in members:
-            s = samples[member]
-            shard.samples.append(
-                SampleInput(
-                    sample_index=sample_index,
-                    sample_id=s.sample_id,
-                    line=s.line,
-                    input_ids=s.input_ids,
-                    loss_mask=s.loss_mask,
-                    truncated=s.truncated,
-                )
-            )
-            sample_index += 1
-        storage.put(layout.shard_input(job_id, shard_index), shard.model_dump_json().encode())
-    publish_job(storage, client, job, num_shards=len(plan), enqueue=enqueue)
+    for shard in plan.shards:
+        storage.put(layout.shard_input(job_id, shard.shard_index), shard.model_dump_json().encode())
+    publish_job(storage, client, job, enqueue=enqueue)
     logger.info(
-        "submitted job=%s samples=%d rejected=%d tokens=%d shards=%d in %.1fs",
+        "submitted %s job=%s samples=%d rejected=%d tokens=%d shards=%d in %.1fs",
+        kind.name,
         job_id,
-        len(samples),
+        plan.samples_total,
         len(rejected),
-        tokens_total,
-        len(plan),
+        plan.tokens_total,
+        len(plan.shards),
         time.monotonic() - started,
     )
     return job
 
 
-def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, num_shards: int, enqueue: Enqueue) -> None:
+def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
+    if sorted(aux_layer_ids) != aux_layer_ids or not all(0 <= i < num_layers for i in aux_layer_ids):
+        raise SubmitError(f"aux_layer_ids {aux_layer_ids}: must be increasing ids in [0, {num_layers})")
+
+
+def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue) -> None:
     """After every plan file: job.json (create-only; a job whose job.json exists is fully planned), its progress
     counters, then one task per shard."""
     if not storage.put_if_absent(layout.job_json(job.job_id), job.model_dump_json(indent=2).encode()):
         raise SubmitError(f"job {job.job_id} was created concurrently by another submit")
     progress.register_job(client, job, storage.url)
-    for shard_index in range(num_shards):
-        enqueue(job.job_id, shard_index)
+    for shard_index in range(job.shards_total):
+        enqueue(job.kind, job.job_id, shard_index)
 
 
 def first_rejection(rejected: list[RejectedSample]) -> str:
     return f"line {rejected[0].line}: {rejected[0].field}: {rejected[0].reason}" if rejected else "empty dataset"
 
 
-def load_job(storage: Storage, job_id: str) -> JobRecord:
-    try:
-        return JobRecord.model_validate_json(storage.get(layout.job_json(job_id)))
-    except ObjectNotFound as exc:
-        raise JobNotFound(job_id) from exc
-
-
-def load_shard_input(storage: Storage, job_id: str, shard_index: int) -> ShardInput:
-    return ShardInput.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
-
-
 def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> list[int]:
-    """Re-enqueue every shard without a manifest (dead-lettered ones included) after recounting from storage."""
+    """Re-enqueue every shard without a manifest (dead-lettered ones included) after recounting from storage, plus
+    whatever the kind asks to run again; returns the uncommitted shards."""
     job = load_job(storage, job_id)
+    kind = kind_of(job.kind)
     if not client.exists(progress.job_key(job_id)):
         progress.register_job(client, job, storage.url)
     client.hdel(progress.job_key(job_id), "cancelled")
@@ -275,11 +186,11 @@ def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enque
     pending = [k for k in range(job.shards_total) if k not in committed]
     for shard_index in pending:
         if storage.exists(layout.dead_letter(job_id, shard_index)):
-            shard = load_shard_input(storage, job_id, shard_index)
-            progress.forget_dead_letter(
-                client, job_id, shard_index, num_samples=len(shard.samples), num_tokens=shard.num_tokens
-            )
+            samples, tokens = kind.shard_size(load_shard_input(storage, job, shard_index))
+            progress.forget_dead_letter(client, job_id, shard_index, num_samples=samples, num_tokens=tokens)
             storage.delete(layout.dead_letter(job_id, shard_index))
-        enqueue(job_id, shard_index)
-    logger.info("resumed job=%s pending_shards=%d", job_id, len(pending))
+        enqueue(job.kind, job_id, shard_index)
+    for shard_index in kind.after_resume(storage, client, job, pending):
+        enqueue(job.kind, job_id, shard_index)
+    logger.info("resumed %s job=%s pending_shards=%d", kind.name, job_id, len(pending))
     return pending

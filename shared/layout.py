@@ -1,4 +1,4 @@
-"""Storage keys of a job, under `{root}/{job_id}/` (DESIGN.md, "Storage layout")."""
+"""Storage keys of a job, under `{root}/{job_id}/` (docs/architecture.md, "Storage layout")."""
 
 ROWS_PER_DIR = 2000
 

@@ -25,10 +25,12 @@ class JobSpec(BaseModel):
     model_path: str | None = Field(
         default=None, description="local Hugging Face folder of the target; default EAGLE3_MODEL_PATH"
     )
-    job_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    max_length: int = Field(default=2048, ge=8)
-    length_policy: LengthPolicy = "truncate"
-    draft_vocab_size: int = Field(default=32000, ge=1)
+    job_id: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="default: job-<time>-<random>"
+    )
+    max_length: int = Field(default=2048, ge=8, description="tokens per sample")
+    length_policy: LengthPolicy = Field(default="truncate", description="a longer sample is truncated or rejected")
+    draft_vocab_size: int = Field(default=32000, ge=1, description="the drafter's vocabulary: the most frequent tokens")
     shard_token_budget: int = Field(default=16384, ge=1, description="prompt tokens per shard (one Celery task)")
     aux_layer_ids: list[int] | None = Field(default=None, min_length=3, max_length=3)
     storage_dtype: StorageDtype = Field(
@@ -157,7 +159,8 @@ class ManifestSample(BaseModel):
 
 
 class Manifest(BaseModel):
-    """manifests/shard_{k}.json, written create-only and last: a shard exists iff its manifest exists."""
+    """manifests/shard_{k}.json, written create-only and last: a shard exists iff its manifest exists.
+    Build one with `Manifest.of`, which computes the totals from the samples."""
 
     job_id: str
     shard_index: int
@@ -169,10 +172,27 @@ class Manifest(BaseModel):
     num_tokens: int
     loss_tokens: int
     bytes: int
-    worker: str
-    started_at: str
-    committed_at: str
-    timings_s: dict[str, float]
+    # Stamped by the shard lifecycle (shared/shards.py) just before the commit.
+    worker: str = ""
+    started_at: str = ""
+    committed_at: str = ""
+    timings_s: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, job: "JobRecord", shard_index: int, samples: list[ManifestSample], **stamps: Any) -> "Manifest":
+        return cls(
+            job_id=job.job_id,
+            shard_index=shard_index,
+            aux_layer_ids=job.aux_layer_ids,
+            hidden_size=job.hidden_size,
+            dtype=job.dtype,
+            samples=samples,
+            num_samples=len(samples),
+            num_tokens=sum(s.num_tokens for s in samples),
+            loss_tokens=sum(s.loss_tokens for s in samples),
+            bytes=sum(s.bytes for s in samples),
+            **stamps,
+        )
 
 
 class DeadLetter(BaseModel):
@@ -330,7 +350,8 @@ class RegenerationManifest(BaseModel):
     num_tokens: int
     bytes: int
     counters: dict[str, int]  # added to the job's Redis counters when the shard is counted
-    worker: str
-    started_at: str
-    committed_at: str
-    timings_s: dict[str, float]
+    # Stamped by the shard lifecycle (shared/shards.py) just before the commit.
+    worker: str = ""
+    started_at: str = ""
+    committed_at: str = ""
+    timings_s: dict[str, float] = Field(default_factory=dict)

@@ -23,11 +23,11 @@ import io
 
 import torch
 
+from shared.capture_protocol import NUM_AUX_LAYERS
 from shared.errors import Eagle3Error
 from shared.schemas import StorageDtype
 
 HIDDEN_DTYPE = torch.bfloat16
-NUM_AUX_LAYERS = 3
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0

@@ -5,6 +5,15 @@ import pytest
 
 from tests.builders import build_tiny_llama
 
+# Fixture modules, registered once for the whole suite; a fixture starts its server only when a test asks for it.
+pytest_plugins = [
+    "tests.fixtures.redis_server",
+    "tests.fixtures.reference_server",
+    "tests.fixtures.seaweedfs",
+    "tests.fixtures.smollm2",
+    "tests.trainer.trainer_fixtures",
+]
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

@@ -1,4 +1,4 @@
-"""FastAPI dependencies: settings, storage, Redis, the task sender, and the API token check."""
+"""FastAPI dependencies: settings, storage, Redis, the shard sender, and the API token check."""
 
 from functools import cache
 from typing import Annotated
@@ -7,7 +7,7 @@ import redis
 from fastapi import Depends, Header, HTTPException, status
 
 from shared.jobs import Enqueue
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK, REGENERATE_TASK, extract_task_id, regenerate_task_id
+from shared.queue import ShardSender
 from shared.settings import Settings, get_settings
 from shared.storage import Storage, open_storage
 
@@ -24,6 +24,11 @@ def _redis(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
 
 
+@cache
+def _sender(broker_url: str) -> ShardSender:
+    return ShardSender(broker_url)
+
+
 def get_storage(settings: SettingsDep) -> Storage:
     return _storage(settings.storage_url)
 
@@ -32,29 +37,8 @@ def get_redis(settings: SettingsDep) -> redis.Redis:
     return _redis(settings.redis_url)
 
 
-def get_enqueue() -> Enqueue:
-    from services.worker.celery_app import app
-
-    def enqueue(job_id: str, shard_index: int) -> None:
-        app.send_task(
-            EXTRACT_TASK, args=[job_id, shard_index], queue=EXTRACT_QUEUE, task_id=extract_task_id(job_id, shard_index)
-        )
-
-    return enqueue
-
-
-def get_enqueue_regenerate() -> Enqueue:
-    from services.worker.celery_app import app
-
-    def enqueue(job_id: str, shard_index: int) -> None:
-        app.send_task(
-            REGENERATE_TASK,
-            args=[job_id, shard_index],
-            queue=EXTRACT_QUEUE,
-            task_id=regenerate_task_id(job_id, shard_index),
-        )
-
-    return enqueue
+def get_enqueue(settings: SettingsDep) -> Enqueue:
+    return _sender(settings.redis_url).send
 
 
 def require_token(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
@@ -71,5 +55,4 @@ def require_token(settings: SettingsDep, authorization: Annotated[str | None, He
 StorageDep = Annotated[Storage, Depends(get_storage)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 EnqueueDep = Annotated[Enqueue, Depends(get_enqueue)]
-RegenerateEnqueueDep = Annotated[Enqueue, Depends(get_enqueue_regenerate)]
 Authorized = Depends(require_token)

@@ -14,7 +14,7 @@ from shared.settings import Settings
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer.config import config_from_args
     from services.trainer.train import train
-    from shared.regeneration import training_job_id
+    from shared.kinds.regenerate import training_job_id
     from shared.storage import open_storage
 
     # A regenerate job (then_extract) trains on its chained extraction job; following, wait for it to be submitted.
@@ -82,7 +82,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train an EAGLE-3 drafter from a job's committed shards",
-        description="Also runs under `torchrun --nproc_per_node N -m services.cli train ...` (DDP).",
+        description="Also runs under `torchrun --nproc_per_node N -m eagle3 train ...` (DDP).",
     )
     p.add_argument("--job", required=True, help="an extraction job, or a regenerate job with then_extract")
     p.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint, if any")

@@ -42,9 +42,10 @@ from pydantic import BaseModel, Field
 
 from services.trainer.loss import Batch
 from shared import layout, progress
+from shared.capture_protocol import NUM_AUX_LAYERS
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
 from shared.schemas import JobRecord, Manifest, ManifestSample
-from shared.shard_format import HIDDEN_DTYPE, NUM_AUX_LAYERS, InvalidCapture, decode_sample
+from shared.shard_format import HIDDEN_DTYPE, InvalidCapture, decode_sample
 from shared.storage import ObjectNotFound, Storage
 
 logger = logging.getLogger(__name__)

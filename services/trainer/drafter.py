@@ -54,12 +54,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from shared.capture_protocol import NUM_AUX_LAYERS
 from shared.errors import ConfigurationError
 from shared.vocab import VocabMapping
 
 logger = logging.getLogger(__name__)
-
-NUM_AUX_LAYERS = 3
 
 
 @dataclass

@@ -33,7 +33,7 @@ Checked against (read, not copied): sgl-project/SpecForge@a6b6b02 specforge/algo
 targets from the stored final state, position mask = t2d[target argmax] * loss mask, shift left per step, accuracy
 via d2t), specforge/modeling/target/target_head.py (`preprocess`: input ids and target shifted left once, EAGLE's
 offset), specforge/core/loss.py (soft cross-entropy), specforge/training/strategies/base.py (weights 0.8**i);
-SafeAILab/EAGLE eagle/traineagle3/cnets.py as summarised in shared/reference/speculators_eagle.md.
+SafeAILab/EAGLE eagle/traineagle3/cnets.py.
 """
 
 import functools

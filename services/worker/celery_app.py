@@ -1,8 +1,8 @@
-"""The Celery app, configured once from the settings with the delivery semantics of DESIGN.md."""
+"""The Celery app, configured once from the settings with the delivery semantics of docs/architecture.md."""
 
 from celery import Celery
 
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK, REGENERATE_TASK
+from shared.queue import SHARD_QUEUE
 from shared.settings import get_settings
 
 settings = get_settings()
@@ -22,9 +22,7 @@ app.conf.update(
     result_backend_transport_options=transport_options,
     visibility_timeout=settings.visibility_timeout_s,
     task_ignore_result=True,  # manifests in storage are the results
-    task_default_queue=EXTRACT_QUEUE,
-    # One queue for both kinds of shard: every worker takes either, and KEDA scales on one list.
-    task_routes={EXTRACT_TASK: {"queue": EXTRACT_QUEUE}, REGENERATE_TASK: {"queue": EXTRACT_QUEUE}},
+    task_default_queue=SHARD_QUEUE,
     worker_soft_shutdown_timeout=settings.soft_shutdown_timeout_s,
     worker_enable_soft_shutdown_on_idle=True,
     worker_send_task_events=True,

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from shared.queue import EXTRACT_QUEUE
+from shared.queue import SHARD_QUEUE
 from shared.settings import Settings
 
 
@@ -15,7 +15,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> None:
         [
             "worker",
             "--queues",
-            EXTRACT_QUEUE,
+            SHARD_QUEUE,
             "--concurrency",
             str(concurrency),
             "--pool",

@@ -13,7 +13,7 @@ import torch
 from tests.reference_checks import relative_error
 
 # bf16 (server) against fp32 (here): under 1% for aux layers, 2-5% for the final state on real models
-# (docs: DESIGN.md "Aux layer ids"); random tiny models stay well inside these.
+# (docs/architecture.md, "Aux layer ids"); random tiny models stay well inside these.
 AUX_REL_TOL = 0.05
 FINAL_REL_TOL = 0.08
 

@@ -121,9 +121,9 @@ def test_every_eagle3_variable_is_a_setting(config: dict[str, Any]) -> None:
 
 
 def test_compose_settings_are_valid_settings(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    for service in config["services"].values():
-        if not EAGLE3_IMAGE.match(service.get("image", "")):
-            continue
+    ours = [s for s in config["services"].values() if EAGLE3_IMAGE.match(s.get("image", ""))]
+    assert len(ours) >= 3, "the producer, worker and inference services run our image"
+    for service in ours:
         with monkeypatch.context() as m:
             for key, value in (service.get("environment") or {}).items():
                 if key.startswith("EAGLE3_") and value is not None:

@@ -26,8 +26,6 @@ from tests.deploy.tools import (
 )
 from tests.fixtures.processes import free_port
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 HEALTHCHECK_SCRIPT = REPO / "docker" / "healthcheck.py"
 TARGETS = {"api": "api", "worker": "worker", "inference": "inference", "trainer": "train"}
 

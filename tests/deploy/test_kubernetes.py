@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.queue import EXTRACT_QUEUE
+from shared.queue import SHARD_QUEUE
 from shared.settings import Settings
 from tests.deploy.tools import EAGLE3_IMAGE, K8S, OVERLAYS, find, parse_eagle3_command, render_kustomization
 
@@ -182,7 +182,7 @@ def test_redis_scaledobject_scales_workers_on_the_real_queue(rendered: dict[str,
         metadata = trigger["metadata"]
         assert set(metadata) <= KEDA_REDIS_METADATA, f"unknown redis trigger keys {set(metadata) - KEDA_REDIS_METADATA}"
         assert all(isinstance(v, str) for v in metadata.values()), "KEDA trigger metadata values must be strings"
-        assert metadata["listName"] == EXTRACT_QUEUE  # the list the workers consume (`eagle3 worker --queues`)
+        assert metadata["listName"] == SHARD_QUEUE  # the list the workers consume (`eagle3 worker --queues`)
         assert int(metadata["listLength"]) >= 1
         # The same Redis and database as the workers' broker.
         broker = urlparse(_settings_data(docs)["EAGLE3_REDIS_URL"])

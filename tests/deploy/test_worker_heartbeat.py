@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from shared.queue import EXTRACT_QUEUE
+from shared.queue import SHARD_QUEUE
 from tests.fixtures.processes import wait_until
-
-pytest_plugins = ["tests.fixtures.redis_server"]
 
 INTERVAL_S = 0.3
 MAX_AGE_S = 2.0
@@ -25,7 +23,7 @@ MAX_AGE_S = 2.0
 def probe(path: Path, max_age_s: float = MAX_AGE_S) -> subprocess.CompletedProcess[str]:
     """The liveness probe exactly as the containers run it (a fresh `eagle3` process)."""
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "worker-probe", "--file", str(path), "--max-age", str(max_age_s)],
+        [sys.executable, "-m", "eagle3", "worker-probe", "--file", str(path), "--max-age", str(max_age_s)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -66,7 +64,7 @@ def worker(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     }
     log = (tmp_path / "worker.log").open("wb")
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "worker", "--name", name, "--concurrency", "1"],
+        [sys.executable, "-m", "eagle3", "worker", "--name", name, "--concurrency", "1"],
         env=env,
         cwd=tmp_path,  # no .env of the checkout
         stdout=log,
@@ -99,16 +97,16 @@ def test_probe_fails_while_a_connected_worker_stops_consuming(worker: tuple[str,
 
         # The worker stays connected to Redis but stops consuming its queue, while a shard waits there: the
         # failure of celery#8091 after a Redis restart, produced on purpose with a remote-control command.
-        replies = control.control.cancel_consumer(EXTRACT_QUEUE, destination=[name], reply=True, timeout=10)
+        replies = control.control.cancel_consumer(SHARD_QUEUE, destination=[name], reply=True, timeout=10)
         assert replies and "ok" in replies[0][name], replies
-        control.send_task("tests.deploy.unregistered_task", queue=EXTRACT_QUEUE)
+        control.send_task("tests.deploy.unregistered_task", queue=SHARD_QUEUE)
         wait_until(lambda: probe(path).returncode != 0, timeout_s=MAX_AGE_S + 15)
         assert "not consuming" in probe(path).stderr
         # ... and still answers a broker ping, which is why `celery inspect ping` is no liveness check.
         assert control.control.ping(destination=[name], timeout=5)
 
         # Consuming again: it takes the waiting message and the heartbeat is fresh again.
-        replies = control.control.add_consumer(EXTRACT_QUEUE, destination=[name], reply=True, timeout=10)
+        replies = control.control.add_consumer(SHARD_QUEUE, destination=[name], reply=True, timeout=10)
         assert replies and "ok" in replies[0][name], replies
         wait_until(lambda: probe(path).returncode == 0, timeout_s=15)
     finally:

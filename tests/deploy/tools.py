@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.cli import build_parser
+from eagle3.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"

@@ -12,7 +12,6 @@ import pytest
 
 from tests.fixtures.processes import wait_until
 
-pytest_plugins = ["tests.fixtures.redis_server"]
 pytestmark = pytest.mark.slow
 
 TRAINER_FIELDS = {
@@ -50,7 +49,7 @@ def demo_argv(model: Path, *, train_seconds: float = 0) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "services.cli",
+        "eagle3",
         "demo",
         "--model",
         str(model),

@@ -5,60 +5,26 @@ import hashlib
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-import redis
 from celery import Celery
 
 from shared import layout, progress
 from shared.datasets import Conversation, read_dataset
 from shared.errors import InvalidSample
-from shared.jobs import load_job, load_shard_input
-from shared.local_stack import LocalStack
-from shared.queue import EXTRACT_QUEUE, EXTRACT_TASK
-from shared.schemas import Manifest, Progress
-from shared.settings import Settings
+from shared.queue import SHARD_QUEUE, task_name
 from shared.shard_format import decode_sample
-from shared.storage import Storage, open_storage
+from shared.shards import load_job, load_shard_input
 from shared.tokenization import ChatTokenizer
 from shared.vocab import load_vocab_mapping
 from tests.datasets import BAD_LINES, write_dataset
+from tests.e2e.deployment import Deployment, deploy
+from tests.fixtures.processes import broker_drained, wait_until
 from tests.reference_checks import HFReference, assert_matches_layers
 
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.seaweedfs"]
 pytestmark = pytest.mark.slow
-
-
-class Deployment:
-    def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
-        self.stack, self.settings, self.storage = stack, settings, storage
-        self.redis = redis.Redis.from_url(settings.redis_url)
-        self.api = httpx.Client(base_url=stack.api_url, timeout=120)
-
-    def submit(self, dataset: Path, **spec: object) -> dict:
-        response = self.api.post("/v1/jobs", json={"dataset_url": str(dataset), **spec})
-        assert response.status_code == 201, response.text
-        return response.json()["job"]
-
-    def wait(self, job_id: str, timeout_s: float = 180) -> Progress:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            p = progress.job_progress(self.redis, job_id)
-            if p.finished:
-                return p
-            self.stack.check_alive()
-            time.sleep(0.3)
-        raise TimeoutError(f"job {job_id} not finished: {progress.job_progress(self.redis, job_id)}")
-
-    def manifests(self, job_id: str) -> list[Manifest]:
-        return [
-            Manifest.model_validate_json(self.storage.get(k))
-            for k in self.storage.list(layout.manifests_prefix(job_id))
-        ]
 
 
 @pytest.fixture(scope="module")
@@ -66,26 +32,8 @@ def deployment(
     tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     home = tmp_path_factory.mktemp("home")
-    settings = Settings(
-        redis_url=redis_server,
-        storage_url=f"s3://{s3_server.bucket}/e2e-{uuid.uuid4().hex[:8]}",
-        s3_endpoint_url=s3_server.endpoint_url,
-        model_path=tiny_model_dir,
-        home=home,
-        inference_concurrency=2,
-        task_max_retries=1,
-        retry_backoff_max_s=1,
-        visibility_timeout_s=8,
-        redelivery_sweep_s=1,
-        inference_ready_timeout_s=2,
-        soft_shutdown_timeout_s=2,
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in s3_server.env().items():
-            if name.startswith("AWS_"):  # credentials for boto3 here and in every child process
-                mp.setenv(name, value)
-        with LocalStack(settings, workers=2, log_dir=home / "logs", pick_free_ports=True) as stack:
-            yield Deployment(stack, settings, open_storage(settings.storage_url, settings))
+    with deploy(s3_server, redis_server, tiny_model_dir, home, inference_concurrency=2, visibility_timeout_s=8) as d:
+        yield d
 
 
 def test_job_commits_exact_tensors_masks_and_manifests(
@@ -144,9 +92,9 @@ def test_duplicate_deliveries_commit_each_shard_once(deployment: Deployment, tmp
     job = deployment.submit(dataset, shard_token_budget=150)
     sender = Celery(broker=deployment.settings.redis_url)
     for shard_index in range(job["shards_total"]):  # every shard delivered a second time, concurrently
-        sender.send_task(EXTRACT_TASK, args=[job["job_id"], shard_index], queue=EXTRACT_QUEUE)
-    p = deployment.wait(job["job_id"])
-    time.sleep(2)  # let the duplicates finish too
+        sender.send_task(task_name("extract"), args=[job["job_id"], shard_index], queue=SHARD_QUEUE)
+    deployment.wait(job["job_id"])
+    wait_until(lambda: broker_drained(deployment.redis), timeout_s=120)  # the duplicates ran and were acked too
     p = progress.job_progress(deployment.redis, job["job_id"])
     manifests = deployment.manifests(job["job_id"])
     assert len(manifests) == job["shards_total"]
@@ -163,8 +111,9 @@ def test_killed_workers_shards_are_redelivered_and_committed_once(deployment: De
     job = deployment.submit(dataset, shard_token_budget=400)
     job_id, storage = job["job_id"], deployment.storage
 
+    record = load_job(storage, job_id)
     shard_of = {
-        s.sample_index: k for k in range(job["shards_total"]) for s in load_shard_input(storage, job_id, k).samples
+        s.sample_index: k for k in range(record.shards_total) for s in load_shard_input(storage, record, k).samples
     }
 
     def mid_shard() -> bool:

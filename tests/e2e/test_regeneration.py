@@ -5,26 +5,20 @@ turns are checked against transformers' own greedy decoding of each regenerated 
 import json
 import os
 import signal
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import redis
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from shared import layout, progress
 from shared.datasets import Conversation, InvalidRecord, read_dataset
-from shared.local_stack import LocalStack
-from shared.schemas import Progress
-from shared.settings import Settings
-from shared.storage import Storage, open_storage
 from tests.datasets import BAD_LINES
+from tests.e2e.deployment import Deployment, deploy
+from tests.fixtures.processes import broker_drained
 
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.seaweedfs"]
 pytestmark = pytest.mark.slow
 
 MAX_NEW_TOKENS = 12
@@ -77,59 +71,19 @@ def write_chats(path: Path, records: list[dict], bad: list[str] = ()) -> Path:
     return path
 
 
-class Deployment:
-    def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
-        self.stack, self.settings, self.storage = stack, settings, storage
-        self.redis = redis.Redis.from_url(settings.redis_url)
-        self.api = httpx.Client(base_url=stack.api_url, timeout=120)
-
-    def regenerate(self, dataset: Path, **spec: object) -> dict:
-        body = {"dataset_url": str(dataset), "kind": "regenerate", "max_new_tokens": MAX_NEW_TOKENS, **spec}
-        response = self.api.post("/v1/jobs", json=body)
-        assert response.status_code == 201, response.text
-        return response.json()["job"]
-
-    def wait(self, job_id: str, timeout_s: float = 120) -> Progress:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            p = progress.job_progress(self.redis, job_id)
-            if p.finished:
-                return p
-            self.stack.check_alive()
-            time.sleep(0.3)
-        raise TimeoutError(f"job {job_id} not finished: {progress.job_progress(self.redis, job_id)}")
-
-    def output(self, job_id: str) -> list[dict]:
-        return [json.loads(line) for line in self.storage.get(layout.regenerated_dataset(job_id)).splitlines()]
-
-
 @pytest.fixture(scope="module")
 def deployment(
     tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     home = tmp_path_factory.mktemp("home")
-    settings = Settings(
-        redis_url=redis_server,
-        storage_url=f"s3://{s3_server.bucket}/regen-{uuid.uuid4().hex[:8]}",
-        s3_endpoint_url=s3_server.endpoint_url,
-        model_path=tiny_model_dir,
-        home=home,
-        regenerate_concurrency=4,
-        task_max_retries=1,
-        retry_backoff_max_s=1,
-        visibility_timeout_s=60,
-        redelivery_sweep_s=1,
-        inference_ready_timeout_s=2,
-        soft_shutdown_timeout_s=2,
-        # Token-exact comparisons need fp32: in bf16 a batched and an unbatched forward can break a near-tie apart.
-        inference_dtype="float32",
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in s3_server.env().items():
-            if name.startswith("AWS_"):  # credentials for boto3 here and in every child process
-                mp.setenv(name, value)
-        with LocalStack(settings, workers=2, log_dir=home / "logs", pick_free_ports=True) as stack:
-            yield Deployment(stack, settings, open_storage(settings.storage_url, settings))
+    # Token-exact comparisons need fp32: in bf16 a batched and an unbatched forward can break a near-tie apart.
+    settings = {"regenerate_concurrency": 4, "visibility_timeout_s": 60, "inference_dtype": "float32"}
+    with deploy(s3_server, redis_server, tiny_model_dir, home, **settings) as d:
+        yield d
+
+
+def regenerate(deployment: Deployment, dataset: Path, **spec: object) -> dict:
+    return deployment.submit(dataset, kind="regenerate", max_new_tokens=MAX_NEW_TOKENS, **spec)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +120,7 @@ def test_regenerated_dataset_is_the_targets_greedy_decoding_and_extraction_takes
     bad = [*BAD_LINES.values(), json.dumps(TEXT_RECORD)]
     dataset = write_chats(tmp_path / "chats.jsonl", GOOD, bad)
     out = tmp_path / "out" / "regenerated.jsonl"
-    job = deployment.regenerate(dataset, conversations_per_shard=2, then_extract=True, output_url=str(out))
+    job = regenerate(deployment, dataset, conversations_per_shard=2, then_extract=True, output_url=str(out))
     p = deployment.wait(job["job_id"])
 
     # Bad input: the extraction's rules and messages, and preformatted text, which has no turns to regenerate.
@@ -232,7 +186,7 @@ def test_regenerated_dataset_is_the_targets_greedy_decoding_and_extraction_takes
     # Resumed when done: nothing is run again.
     manifests = {k: deployment.storage.get(k) for k in deployment.storage.list(layout.manifests_prefix(job["job_id"]))}
     assert deployment.api.post(f"/v1/jobs/{job['job_id']}/resume").status_code == 200
-    time.sleep(1)
+    assert broker_drained(deployment.redis)  # resume enqueues before it answers: nothing was sent
     assert {k: deployment.storage.get(k) for k in manifests} == manifests
     assert progress.job_progress(deployment.redis, job["job_id"]).tokens_done == p.tokens_done
 
@@ -243,7 +197,7 @@ def test_dead_inference_server_dead_letters_then_resume_completes(deployment: De
     os.killpg(inference.pid, signal.SIGKILL)
     inference.wait()
     deployment.stack.processes = [(n, p) for n, p in deployment.stack.processes if n != "inference"]
-    job = deployment.regenerate(dataset, conversations_per_shard=3)
+    job = regenerate(deployment, dataset, conversations_per_shard=3)
 
     p = deployment.wait(job["job_id"])
     assert (p.state, p.shards_dead_lettered, p.samples_failed) == ("completed_with_errors", 2, 5)

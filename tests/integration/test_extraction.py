@@ -7,16 +7,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import extraction, jobs, layout, progress
+from shared import jobs, layout, progress, shards
 from shared.errors import ModelMismatch, ShardValidationError
 from shared.inference_client import InferenceClient
+from shared.kinds import EXTRACT
 from shared.schemas import JobSpec, Manifest
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
 from tests.datasets import write_dataset
 from tests.fixtures.faulty_inference import faulty_proxy
-
-pytest_plugins = ["tests.fixtures.redis_server", "tests.fixtures.reference_server", "tests.fixtures.seaweedfs"]
 
 
 def plan(tmp_path: Path, model_dir: Path, redis_url: str, storage: Storage, **spec: object) -> jobs.JobRecord:
@@ -27,20 +26,16 @@ def plan(tmp_path: Path, model_dir: Path, redis_url: str, storage: Storage, **sp
         settings=settings,
         storage=storage,
         client=redis.Redis.from_url(redis_url),
-        enqueue=lambda job_id, shard: None,
+        enqueue=lambda kind, job_id, shard: None,
     )
 
 
-def extract(job_id: str, shard: int, storage: Storage, redis_url: str, url: str) -> extraction.ShardOutcome:
+def extract(job_id: str, shard: int, storage: Storage, redis_url: str, url: str) -> shards.ShardOutcome:
     with InferenceClient(url, timeout_s=60, max_concurrency=2, transport="body", shm_dir=Path("/tmp")) as client:
-        return extraction.extract_shard(
-            job_id,
-            shard,
-            storage=storage,
-            redis_client=redis.Redis.from_url(redis_url),
-            inference=client,
-            worker="test",
+        ctx = shards.ShardContext(
+            storage, redis.Redis.from_url(redis_url), Settings(), worker="test", states={"extract": client}
         )
+        return shards.run_shard(EXTRACT, job_id, shard, ctx)
 
 
 @pytest.fixture
@@ -74,7 +69,7 @@ def test_concurrent_duplicate_delivery_commits_one_identical_shard(
         s3_server.storage_url(f"dup-{tmp_path.name}"), Settings(s3_endpoint_url=s3_server.endpoint_url)
     )
     job = plan(tmp_path, tiny_model_dir, redis_url, storage, shard_token_budget=400)
-    outcomes: list[extraction.ShardOutcome] = []
+    outcomes: list[shards.ShardOutcome] = []
     threads = [
         threading.Thread(
             target=lambda: outcomes.append(extract(job.job_id, 0, storage, redis_url, reference_server_url))

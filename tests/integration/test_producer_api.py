@@ -12,8 +12,6 @@ from services.producer.deps import get_enqueue
 from shared.settings import Settings
 from tests.datasets import BAD_LINES, write_dataset
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 class Api:
     def __init__(self, client: TestClient, enqueued: list[tuple[str, int]], settings: Settings) -> None:
@@ -23,7 +21,7 @@ class Api:
 def make_api(settings: Settings) -> Iterator[Api]:
     enqueued: list[tuple[str, int]] = []
     app = create_app(settings)
-    app.dependency_overrides[get_enqueue] = lambda: lambda job_id, shard: enqueued.append((job_id, shard))
+    app.dependency_overrides[get_enqueue] = lambda: lambda kind, job_id, shard: enqueued.append((job_id, shard))
     with TestClient(app) as client:
         yield Api(client, enqueued, settings)
 

@@ -15,8 +15,6 @@ from shared.schemas import (
 )
 from shared.storage import open_storage
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 def make_job(shards: int = 3, tokens_per_shard: int = 100) -> JobRecord:
     return JobRecord(
@@ -60,22 +58,7 @@ def make_manifest(shard_index: int, tokens: int = 100, nbytes: int = 50_000) -> 
         )
         for i in range(2)
     ]
-    return Manifest(
-        job_id="job-a",
-        shard_index=shard_index,
-        aux_layer_ids=[1, 3, 4],
-        hidden_size=64,
-        dtype="bfloat16",
-        samples=samples,
-        num_samples=2,
-        num_tokens=tokens,
-        loss_tokens=2,
-        bytes=nbytes,
-        worker="w",
-        started_at="t",
-        committed_at="t",
-        timings_s={},
-    )
+    return Manifest.of(make_job(), shard_index, samples, worker="w", started_at="t", committed_at="t")
 
 
 def test_commit_counts_once_and_job_completes(redis_url: str) -> None:

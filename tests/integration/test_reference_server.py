@@ -22,8 +22,6 @@ from shared.inference_client import InferenceClient
 from shared.settings import Settings
 from tests.fixtures.processes import free_port
 
-pytest_plugins = ["tests.fixtures.reference_server"]
-
 pytestmark = pytest.mark.slow
 
 N_LAYERS, H = 8, 64  # the tiny model's shape
@@ -250,7 +248,7 @@ def test_decoding_stops_at_stop_token_ids(client: InferenceClient, hf_model: Pre
 
 def test_decoding_from_text_and_seeded_sampling(client: InferenceClient, tiny_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    params = {"max_new_tokens": 5, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 7}
+    params = {"max_new_tokens": 5, "temperature": 0.8, "top_p": 0.9, "top_k": 50, "sampling_seed": 7}
 
     first, second = (client.generate(text=["The capital of", "Hello"], sampling_params=params) for _ in range(2))
 

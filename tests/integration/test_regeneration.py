@@ -12,11 +12,11 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from services.cli import build_parser
-from services.producer import cli as producer_cli
+from eagle3 import jobs as jobs_cli
+from eagle3.cli import build_parser
 from services.producer.app import create_app
-from services.producer.deps import get_enqueue, get_enqueue_regenerate
-from shared import jobs, layout, progress, regeneration
+from services.producer.deps import get_enqueue
+from shared import jobs, layout, progress, shards
 from shared.capture_protocol import ModelInfo
 from shared.errors import (
     ConfigurationError,
@@ -25,13 +25,13 @@ from shared.errors import (
     ModelMismatch,
     SubmitError,
 )
+from shared.kinds import REGENERATE
+from shared.kinds import regenerate as regeneration
 from shared.schemas import JobRecord, JobSpec, RegenerationManifest
 from shared.settings import Settings
 from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 from tests.datasets import write_dataset
-
-pytest_plugins = ["tests.fixtures.redis_server"]
 
 CONVERSATIONS = [
     {
@@ -117,35 +117,37 @@ class Setup:
         self.chained: list[JobSpec] = []
 
     def submit(self, **spec: object) -> JobRecord:
-        return regeneration.submit(
+        return jobs.submit(
             JobSpec(dataset_url=str(self.dataset), model_path=str(self.model_dir), kind="regenerate", **spec),
             settings=self.settings,
             storage=self.storage,
             client=self.redis,
-            enqueue=lambda job_id, shard: self.enqueued.append((job_id, shard)),
+            enqueue=lambda kind, job_id, shard: self.enqueued.append((job_id, shard)),
         )
 
     def chain(self, spec: JobSpec) -> str:
         self.chained.append(spec)
         return jobs.submit(
-            spec, settings=self.settings, storage=self.storage, client=self.redis, enqueue=lambda job_id, shard: None
+            spec,
+            settings=self.settings,
+            storage=self.storage,
+            client=self.redis,
+            enqueue=lambda kind, job_id, shard: None,
         ).job_id
 
-    def run(
-        self, job_id: str, shard: int, inference: ScriptedInference, **kwargs: object
-    ) -> regeneration.RegenerationOutcome:
-        kwargs.setdefault("chain", self.chain)
-        return regeneration.regenerate_shard(
-            job_id,
-            shard,
-            storage=self.storage,
-            redis_client=self.redis,
-            inference=inference,  # type: ignore[arg-type]
-            worker="test",
+    def context(self, inference: ScriptedInference, chain: regeneration.ChainSubmit | None) -> shards.ShardContext:
+        state = regeneration.RegenerateState(
+            decoding=inference,  # type: ignore[arg-type]
             tokenizers=regeneration.TokenizerCache(self.model_dir.parent / "tokenizers"),
-            concurrency=4,
-            **kwargs,
+            chain=chain,
         )
+        settings = self.settings.model_copy(update={"regenerate_concurrency": 4})
+        return shards.ShardContext(self.storage, self.redis, settings, worker="test", states={"regenerate": state})
+
+    def run(
+        self, job_id: str, shard: int, inference: ScriptedInference, *, chain: regeneration.ChainSubmit | None = None
+    ) -> shards.ShardOutcome:
+        return shards.run_shard(REGENERATE, job_id, shard, self.context(inference, chain or self.chain))
 
 
 @pytest.fixture
@@ -169,14 +171,18 @@ def test_bad_input_is_rejected_with_the_extractions_rules_and_messages(setup: Se
         "length_policy": "reject",
     }
     extraction = jobs.submit(
-        JobSpec(**spec), settings=setup.settings, storage=setup.storage, client=setup.redis, enqueue=lambda j, s: None
+        JobSpec(**spec),
+        settings=setup.settings,
+        storage=setup.storage,
+        client=setup.redis,
+        enqueue=lambda k, j, s: None,
     )
-    regenerate = regeneration.submit(
+    regenerate = jobs.submit(
         JobSpec(**spec, kind="regenerate"),
         settings=setup.settings,
         storage=setup.storage,
         client=setup.redis,
-        enqueue=lambda j, s: None,
+        enqueue=lambda k, j, s: None,
     )
 
     def rejected(job_id: str) -> list[dict]:
@@ -326,7 +332,7 @@ def test_cancel_stops_a_shard_and_resume_runs_only_the_shards_not_committed(setu
     committed = setup.storage.get(layout.manifest(job.job_id, 0))
     setup.enqueued.clear()
 
-    pending = regeneration.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda j, s: None)
+    pending = jobs.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda k, j, s: None)
 
     assert pending == [1, 2]
     for shard in pending:
@@ -336,21 +342,20 @@ def test_cancel_stops_a_shard_and_resume_runs_only_the_shards_not_committed(setu
     assert (p.state, p.samples_done, p.shards_committed) == ("completed_with_errors", 5, 3)
     assert p.regeneration is not None and p.regeneration.finalized
     # Resumed once more, with everything done: nothing to run.
-    assert regeneration.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda j, s: None) == []
+    assert jobs.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda k, j, s: None) == []
 
 
 def test_a_dead_lettered_shard_holds_the_dataset_back_until_resumed(setup: Setup) -> None:
     job = setup.submit(conversations_per_shard=3, max_new_tokens=5)
     inference = ScriptedInference(setup.model_dir)
     setup.run(job.job_id, 0, inference)
-    regeneration.record_task_failure(
+    shards.dead_letter(
+        REGENERATE,
         job.job_id,
         1,
         InferenceUnavailable("http://scripted/generate: ConnectError"),
         retries=5,
-        storage=setup.storage,
-        redis_client=setup.redis,
-        worker="test",
+        ctx=setup.context(inference, setup.chain),
     )
     p = progress.job_progress(setup.redis, job.job_id)
     assert (p.state, p.shards_dead_lettered, p.samples_failed) == ("completed_with_errors", 1, 1 + 3)
@@ -359,7 +364,7 @@ def test_a_dead_lettered_shard_holds_the_dataset_back_until_resumed(setup: Setup
     assert set(reasons) == {2, 3, 4, 5} and "shard dead-lettered: InferenceUnavailable" in reasons[4]
 
     enqueued: list[int] = []
-    regeneration.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda j, s: enqueued.append(s))
+    jobs.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda k, j, s: enqueued.append(s))
     assert enqueued == [1]
     setup.run(job.job_id, 1, inference)
     p = progress.job_progress(setup.redis, job.job_id)
@@ -371,10 +376,7 @@ def test_a_dead_lettered_shard_holds_the_dataset_back_until_resumed(setup: Setup
 def api(setup: Setup) -> Iterator[tuple[TestClient, list[tuple[str, str, int]]]]:
     sent: list[tuple[str, str, int]] = []
     app = create_app(setup.settings)
-    app.dependency_overrides[get_enqueue] = lambda: lambda job_id, shard: sent.append(("extract", job_id, shard))
-    app.dependency_overrides[get_enqueue_regenerate] = lambda: (
-        lambda job_id, shard: sent.append(("regenerate", job_id, shard))
-    )
+    app.dependency_overrides[get_enqueue] = lambda: lambda kind, job_id, shard: sent.append((kind, job_id, shard))
     with TestClient(app) as client:
         yield client, sent
 
@@ -432,9 +434,9 @@ def test_the_cli_submits_a_regenerate_job(
     setup: Setup, api: tuple[TestClient, list[tuple[str, str, int]]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client, sent = api
-    monkeypatch.setattr(producer_cli, "_api", lambda settings: contextlib.nullcontext(client))
+    monkeypatch.setattr(jobs_cli, "api_client", lambda settings: contextlib.nullcontext(client))
     out = tmp_path / "regenerated.jsonl"
-    argv = ["regenerate", "--dataset", str(setup.dataset), "--out", str(out), "--model", str(setup.model_dir)]
+    argv = ["regenerate", str(setup.dataset), "--out", str(out), "--model", str(setup.model_dir)]
     args = build_parser().parse_args([*argv, "--max-new-tokens", "9", "--reasoning", "drop", "--then-extract"])
 
     args.func(args, setup.settings)
@@ -461,7 +463,7 @@ def test_a_refused_chain_is_an_error_and_a_resume_submits_it_again(setup: Setup)
     assert "storage budget" in json.loads(setup.storage.get(layout.regeneration_summary(job.job_id)))["error"]
 
     enqueued: list[int] = []
-    regeneration.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda j, s: enqueued.append(s))
+    jobs.resume(job.job_id, storage=setup.storage, client=setup.redis, enqueue=lambda k, j, s: enqueued.append(s))
     assert enqueued == [0]  # committed: it only assembles and chains again
     assert setup.run(job.job_id, 0, ScriptedInference(setup.model_dir), chain=chain).status == "already_committed"
     p = progress.job_progress(setup.redis, job.job_id)

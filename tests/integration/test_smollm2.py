@@ -12,7 +12,6 @@ from shared.errors import ConfigurationError
 from shared.model_assets import COMPLETE_MARKER, ensure_smollm2, resolve_model_path
 from shared.tokenization import ChatTokenizer
 
-pytest_plugins = ["tests.fixtures.smollm2"]
 pytestmark = pytest.mark.slow
 
 

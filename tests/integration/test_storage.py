@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     # Imported as a plugin below; importing it here first would bypass pytest's assertion rewriting of the module.
     from tests.fixtures.seaweedfs import S3Server
 
-pytest_plugins = ["tests.fixtures.seaweedfs"]
 
 MiB = 1024 * 1024
 # S3's minimum part size; a 12 MiB object then takes the multipart path in 3 parts (5 + 5 + 2 MiB).

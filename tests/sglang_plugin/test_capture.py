@@ -1,5 +1,6 @@
 """Scheduler side: capture tickets, splitting SGLang's flattened extend batch, refusing short captures, writing."""
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from eagle3_sglang_plugin.capture import (
     CaptureTicket,
+    CaptureWriter,
     PartialPrefill,
     capture_request,
     check_full_prefill,
@@ -15,6 +17,8 @@ from eagle3_sglang_plugin.capture import (
     row_spans,
     slot_order,
 )
+from eagle3_sglang_plugin.http import wait_until_written
+from eagle3_sglang_plugin.protocol import CaptureFailed
 
 from shared.capture_protocol import read_capture_file
 
@@ -104,7 +108,7 @@ def test_every_request_of_a_batch_gets_exactly_its_own_rows(tmp_path: Path) -> N
 
     for i, (start, end) in enumerate(row_spans(lengths)):
         meta = capture_request(
-            shm_dir=tmp_path,
+            writer=CaptureWriter(tmp_path, threads=0),
             ticket=CaptureTicket(f"r{i}.safetensors", (0, 1, 2)),
             rid=f"r{i}",
             aux_hidden_states=batch_aux,
@@ -124,7 +128,7 @@ def test_capture_writes_the_requested_slot_order_in_bf16(tmp_path: Path) -> None
     aux, _, batch_aux, batch_final = flattened_batch([4])
 
     capture_request(
-        shm_dir=tmp_path,
+        writer=CaptureWriter(tmp_path, threads=0),
         ticket=CaptureTicket("r.safetensors", (2, 0, 1)),
         rid="r",
         aux_hidden_states=batch_aux.float(),  # a float32 model: the file is bf16 all the same
@@ -153,7 +157,7 @@ def test_a_capture_that_cannot_be_complete_reports_an_error_and_writes_nothing(
 ) -> None:
     _, _, batch_aux, batch_final = flattened_batch([4])
     arguments = {
-        "shm_dir": tmp_path,
+        "writer": CaptureWriter(tmp_path, threads=0),
         "ticket": CaptureTicket("r.safetensors", (0, 1, 2)),
         "rid": "r",
         "aux_hidden_states": batch_aux,
@@ -167,6 +171,57 @@ def test_a_capture_that_cannot_be_complete_reports_an_error_and_writes_nothing(
 
     assert reason in meta["error"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_threads_write_a_batch_the_http_side_then_finds(tmp_path: Path) -> None:
+    lengths = [5, 2, 9, 4]
+    aux, final, batch_aux, batch_final = flattened_batch(lengths, seed=1)
+    writer = CaptureWriter(tmp_path, threads=3)
+    names = [f"r{i}.safetensors" for i in range(len(lengths))]
+
+    for i, (start, end) in enumerate(row_spans(lengths)):
+        meta = capture_request(
+            writer=writer,
+            ticket=CaptureTicket(names[i], (0, 1, 2)),
+            rid=f"r{i}",
+            aux_hidden_states=batch_aux,
+            last_hidden_states=batch_final,
+            start=start,
+            end=end,
+            prompt_len=lengths[i],
+        )
+        assert meta == {"file": names[i], "rows": lengths[i], "hidden_size": H}  # answered before the write
+    asyncio.run(wait_until_written(tmp_path, names, timeout_s=30))
+
+    for i, name in enumerate(names):
+        got_aux, got_final = read_capture_file(tmp_path / name)
+        assert torch.equal(got_aux, aux[i]) and torch.equal(got_final, final[i])
+
+
+def test_a_write_that_fails_on_a_writer_thread_is_a_capture_failure_with_the_reason(tmp_path: Path) -> None:
+    _, _, batch_aux, batch_final = flattened_batch([3])
+    broken = CaptureTicket("r.safetensors", (0, 1, 5))  # slot 5 does not exist: the reordering fails on the thread
+
+    meta = capture_request(
+        writer=CaptureWriter(tmp_path, threads=1),
+        ticket=broken,
+        rid="r",
+        aux_hidden_states=batch_aux,
+        last_hidden_states=batch_final,
+        start=0,
+        end=3,
+        prompt_len=3,
+    )
+
+    assert meta["file"] == "r.safetensors"
+    with pytest.raises(CaptureFailed, match="rid r: writing the capture failed"):
+        asyncio.run(wait_until_written(tmp_path, ["r.safetensors"], timeout_s=30))
+    assert list(tmp_path.iterdir()) == []  # no capture file, and the error file was consumed
+
+
+def test_waiting_for_a_file_nobody_writes_ends_with_a_capture_failure(tmp_path: Path) -> None:
+    with pytest.raises(CaptureFailed, match="not written within"):
+        asyncio.run(wait_until_written(tmp_path, ["never.safetensors"], timeout_s=0.05))
 
 
 # ----------------------------------------------------------------------------------------------------------

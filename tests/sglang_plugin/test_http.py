@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from eagle3_sglang_plugin.capture import CAPTURE_META_KEY, CaptureTicket, capture_request, row_spans
+from eagle3_sglang_plugin.capture import CAPTURE_META_KEY, CaptureTicket, CaptureWriter, capture_request, row_spans
 from eagle3_sglang_plugin.http import BackendUnavailable, CaptureMiddleware
 from eagle3_sglang_plugin.protocol import ModelLimits, model_info_answer
 from starlette.applications import Starlette
@@ -36,6 +36,7 @@ class FakeSGLang:
     def __init__(self, model: PreTrainedModel, shm_dir: Path) -> None:
         self.model = model
         self.shm_dir = shm_dir
+        self.writer = CaptureWriter(shm_dir, threads=2)  # as in SGLang: the files appear after the answer
         self.calls: list[dict[str, Any]] = []
         self.cached_prefix = 0  # > 0: every request "hits" the prefix cache for that many tokens
         self.unavailable = False
@@ -83,7 +84,7 @@ class FakeSGLang:
             ticket = CaptureTicket.from_custom_params(param["custom_params"])
             assert ticket is not None
             meta = capture_request(
-                shm_dir=self.shm_dir,
+                writer=self.writer,
                 ticket=ticket,
                 rid=rid,
                 aux_hidden_states=batch_aux,
@@ -110,6 +111,10 @@ async def stock_generate(request: Request) -> Response:
     return JSONResponse({"stock": True, "body": (await request.body()).decode()})
 
 
+async def stock_model_info(request: Request) -> Response:
+    return JSONResponse({"stock": True, "model_path": "/models/tiny", "is_generation": True})
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tiny_model_dir: Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, dtype=torch.bfloat16).eval()
@@ -122,7 +127,12 @@ def engine(tiny_model: PreTrainedModel, tmp_path: Path) -> FakeSGLang:
 
 @pytest.fixture
 def http(engine: FakeSGLang) -> Iterator[TestClient]:
-    app = Starlette(routes=[Route("/generate", stock_generate, methods=["POST", "PUT"])])
+    app = Starlette(
+        routes=[
+            Route("/generate", stock_generate, methods=["POST", "PUT"]),
+            *(Route(path, stock_model_info) for path in ("/get_model_info", "/model_info")),
+        ]
+    )
     app.add_middleware(CaptureMiddleware, backend=engine)
     with TestClient(app) as client:
         yield client
@@ -267,10 +277,15 @@ def test_model_info_is_sglangs_plus_the_protocols(http: TestClient) -> None:
         assert answer["capture_aux_layer_ids"] == CAPTURE_IDS and answer["model_path"] == "/models/tiny"
 
 
-def test_model_info_of_a_server_that_cannot_capture_is_503(http: TestClient, engine: FakeSGLang) -> None:
+def test_a_server_that_cannot_capture_answers_model_info_as_stock_sglang(http: TestClient, engine: FakeSGLang) -> None:
+    # A stock launch of an image with the plugin installed: SGLang's warm-up reads /model_info and must get it.
     engine.unavailable = True
 
-    assert http.get("/get_model_info").status_code == 503
+    for path in ("/get_model_info", "/model_info"):
+        response = http.get(path)
+
+        assert response.status_code == 200
+        assert response.json() == {"stock": True, "model_path": "/models/tiny", "is_generation": True}
 
 
 def test_the_capture_body_parses_as_the_reference_server_would(http: TestClient) -> None:

@@ -6,17 +6,15 @@ import pytest
 from eagle3_sglang_plugin.capture import CAPTURE_META_KEY, CaptureTicket
 from eagle3_sglang_plugin.protocol import (
     BODY_SPOOL_PREFIX,
-    BadRequest,
     CaptureFailed,
     ModelLimits,
     model_info_answer,
-    normalize_rids,
     plan_capture,
     protocol_outputs,
     sglang_generate_kwargs,
 )
 
-from shared.capture_protocol import ModelInfo
+from shared.capture_protocol import InvalidRequest, ModelInfo, request_ids
 
 LIMITS = ModelLimits(
     num_hidden_layers=8, hidden_size=64, vocab_size=512, max_context_length=1023, capture_aux_layer_ids=[1, 3, 4]
@@ -73,18 +71,18 @@ def sglang_output(rid: str, rows: int, file_name: str, **meta: Any) -> dict[str,
     ],
 )
 def test_bad_requests_name_the_field(overrides: dict[str, Any], field: str) -> None:
-    with pytest.raises(BadRequest, match=field.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(InvalidRequest, match=field.replace("[", r"\[").replace("]", r"\]")):
         plan_capture(body(**overrides), LIMITS)
 
 
 def test_rids_follow_the_reference_servers_rules() -> None:
-    assert normalize_rids(["a", "b"], 2, is_batch=True) == ["a", "b"]
-    generated = normalize_rids(None, 3, is_batch=True)
+    assert request_ids(["a", "b"], 2, is_batch=True) == ["a", "b"]
+    generated = request_ids(None, 3, is_batch=True)
     assert len(set(generated)) == 3
-    with pytest.raises(BadRequest, match="rid: ids must be unique"):
-        normalize_rids(["a", "a"], 2, is_batch=True)
-    with pytest.raises(BadRequest, match="rid: 1 ids for 2 prompts"):
-        normalize_rids(["a"], 2, is_batch=True)
+    with pytest.raises(InvalidRequest, match="rid: ids must be unique"):
+        request_ids(["a", "a"], 2, is_batch=True)
+    with pytest.raises(InvalidRequest, match="rid: 1 ids for 2 prompts"):
+        request_ids(["a"], 2, is_batch=True)
 
 
 def test_shm_files_are_named_after_the_rid_and_body_files_are_hidden_spool_files() -> None:
@@ -101,7 +99,7 @@ def test_shm_files_are_named_after_the_rid_and_body_files_are_hidden_spool_files
 
 def test_a_single_prompt_becomes_a_single_sglang_request_with_a_ticket() -> None:
     plan = plan_capture(
-        body(capture={"aux_layer_ids": [4, 1, 3]}, sampling_params={"max_new_tokens": 0, "seed": 3}), LIMITS
+        body(capture={"aux_layer_ids": [4, 1, 3]}, sampling_params={"max_new_tokens": 0, "sampling_seed": 3}), LIMITS
     )
 
     kwargs = sglang_generate_kwargs(plan)

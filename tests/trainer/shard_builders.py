@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shared import jobs, layout, progress
-from shared.extraction import describe_sample
+from shared.kinds.extract import describe_sample
 from shared.schemas import DeadLetter, JobRecord, JobSpec, Manifest, utc_now
 from shared.settings import Settings
 from shared.shard_format import encode_sample
@@ -30,14 +30,14 @@ def plan_job(
         settings=settings,
         storage=storage,
         client=redis.Redis.from_url(redis_url),
-        enqueue=lambda job_id, shard: None,
+        enqueue=lambda kind, job_id, shard: None,
     )
 
 
 def commit_random_shard(storage: Storage, client: redis.Redis, job: JobRecord, shard_index: int) -> Manifest:
     """Commit a shard as a worker does (samples, then the manifest create-only, then count + event), with random
     hidden states instead of a forward pass."""
-    shard = jobs.load_shard_input(storage, job.job_id, shard_index)
+    shard = jobs.load_shard_input(storage, job, shard_index)
     generator = torch.Generator().manual_seed(shard_index)
     entries = []
     for sample in shard.samples:
@@ -48,29 +48,14 @@ def commit_random_shard(storage: Storage, client: redis.Redis, job: JobRecord, s
         key = layout.sample(job.job_id, sample.sample_index)
         storage.put_if_absent(key, data)
         entries.append(describe_sample(sample, key, data))
-    manifest = Manifest(
-        job_id=job.job_id,
-        shard_index=shard_index,
-        aux_layer_ids=job.aux_layer_ids,
-        hidden_size=job.hidden_size,
-        dtype=job.dtype,
-        samples=entries,
-        num_samples=len(entries),
-        num_tokens=sum(e.num_tokens for e in entries),
-        loss_tokens=sum(e.loss_tokens for e in entries),
-        bytes=sum(e.bytes for e in entries),
-        worker="test",
-        started_at=utc_now(),
-        committed_at=utc_now(),
-        timings_s={},
-    )
+    manifest = Manifest.of(job, shard_index, entries, worker="test", started_at=utc_now(), committed_at=utc_now())
     storage.put_if_absent(layout.manifest(job.job_id, shard_index), manifest.model_dump_json().encode())
     progress.record_commit(client, manifest)
     return manifest
 
 
 def dead_letter_shard(storage: Storage, client: redis.Redis, job: JobRecord, shard_index: int) -> None:
-    shard = jobs.load_shard_input(storage, job.job_id, shard_index)
+    shard = jobs.load_shard_input(storage, job, shard_index)
     letter = DeadLetter(
         job_id=job.job_id, shard_index=shard_index, error_type="Test", reason="given up", retries=3, worker="test"
     )

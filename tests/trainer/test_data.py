@@ -29,8 +29,6 @@ from shared.schemas import JobRecord, Manifest, ManifestSample
 from shared.storage import Storage, open_storage
 from tests.trainer.shard_builders import commit_random_shard, dead_letter_shard, plan_job
 
-pytest_plugins = ["tests.fixtures.redis_server"]
-
 
 @pytest.fixture
 def storage(tmp_path: Path) -> Storage:

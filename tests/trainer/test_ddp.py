@@ -17,7 +17,6 @@ from shared.settings import Settings
 from shared.storage import open_storage
 from tests.trainer.shard_builders import ExtractedJob
 
-pytest_plugins = ["tests.fixtures.redis_server", "tests.trainer.trainer_fixtures"]
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +40,7 @@ def test_two_processes_stay_in_sync_and_match_one_process(extracted_job: Extract
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "services.cli",
+        "eagle3",
     ]
     command += ["train", "--job", extracted_job.job_id, "--run-name", "ddp", "--device", "cpu", *flags]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -37,8 +37,6 @@ from shared.storage import open_storage
 from shared.tokenization import ChatTokenizer
 from tests.trainer.shard_builders import ExtractedJob, commit_random_shard, plan_job
 
-pytest_plugins = ["tests.fixtures.redis_server", "tests.trainer.trainer_fixtures"]
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

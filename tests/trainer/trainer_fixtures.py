@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import extraction
+from shared import shards
 from shared.inference_client import InferenceClient
+from shared.kinds import EXTRACT
+from shared.settings import Settings
 from shared.storage import open_storage
 from tests.fixtures.reference_server import run_reference_server
 from tests.trainer.shard_builders import ExtractedJob, plan_job, sharpen_target
@@ -41,8 +43,7 @@ def extract_job(root: Path, tiny_model_dir: Path, redis_server: str, **spec: obj
         run_reference_server(model_dir, shm_dir=root, env={"OMP_NUM_THREADS": "1"}) as url,
         InferenceClient(url, timeout_s=60, max_concurrency=2, transport="body", shm_dir=root) as inference,
     ):
+        ctx = shards.ShardContext(storage, client, Settings(), worker="test", states={"extract": inference})
         for shard_index in range(job.shards_total):
-            extraction.extract_shard(
-                job.job_id, shard_index, storage=storage, redis_client=client, inference=inference, worker="test"
-            )
+            shards.run_shard(EXTRACT, job.job_id, shard_index, ctx)
     yield ExtractedJob(job=job, storage_url=storage.url, model_dir=model_dir)

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from shared import layout
-from shared.regeneration import (
+from shared.kinds.regenerate import (
     apply_reasoning,
     output_line,
     plan_conversation_shards,

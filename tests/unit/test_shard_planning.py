@@ -1,4 +1,5 @@
-from shared.jobs import bytes_per_token, default_aux_layer_ids, plan_shards
+from shared.capture_protocol import default_aux_layer_ids
+from shared.kinds.extract import bytes_per_token, plan_shards
 from shared.layout import sample
 from shared.tokenization import TokenizedSample
 

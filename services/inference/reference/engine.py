@@ -38,7 +38,9 @@ from shared.capture_protocol import (
     CapturedStates,
     CaptureSpec,
     ModelInfo,
+    RequestLimits,
     SamplingParams,
+    check_request,
     default_aux_layer_ids,
 )
 from shared.errors import ConfigurationError, Eagle3Error
@@ -48,14 +50,6 @@ logger = logging.getLogger(__name__)
 
 _BATCH_PROMPT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _BATCH_TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-
-
-class InvalidRequest(Eagle3Error):
-    """A request the model cannot serve (HTTP 400); names the field and the reason."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field, self.reason = field, reason
 
 
 class EngineUnavailable(Eagle3Error):
@@ -130,7 +124,7 @@ class _Request:
         stop = tuple(sorted(set(p.stop_token_ids)))
         if p.temperature == 0:
             return ("greedy", stop)
-        if p.seed is not None:
+        if p.sampling_seed is not None:
             return ("seeded", id(self))  # its seed alone decides its tokens: never batched
         return ("sample", p.temperature, p.top_p, p.top_k, stop)
 
@@ -259,43 +253,16 @@ class ReferenceEngine:
         self._require_ready()
         return self._tokenizer
 
-    def check(self, prompts: list[list[int]], params: SamplingParams, capture: CaptureSpec | None) -> None:
+    def check(
+        self, prompts: list[list[int]], is_batch: bool, params: SamplingParams, capture: CaptureSpec | None
+    ) -> None:
         """Raise InvalidRequest, naming the field, for a request this model cannot serve."""
-        info = self.model_info
-        if not prompts:
-            raise InvalidRequest("input_ids", "no prompts")
-        for b, prompt in enumerate(prompts):
-            name = f"input_ids[{b}]" if len(prompts) > 1 else "input_ids"
-            if not prompt:
-                raise InvalidRequest(name, "empty prompt")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_rows:
-                position, token_id = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < self._vocab_rows)
-                raise InvalidRequest(
-                    f"{name}[{position}]", f"token id {token_id} is outside the vocabulary [0, {self._vocab_rows})"
-                )
-            if len(prompt) > info.max_context_length:
-                raise InvalidRequest(
-                    name, f"prompt of {len(prompt)} tokens exceeds max_context_length {info.max_context_length}"
-                )
-            if params.max_new_tokens > 1 and len(prompt) + params.max_new_tokens > info.max_context_length:
-                raise InvalidRequest(
-                    "sampling_params.max_new_tokens",
-                    f"prompt of {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceeds "
-                    f"max_context_length {info.max_context_length}",
-                )
-        if capture is not None:
-            for layer_id in capture.aux_layer_ids:
-                if not 0 <= layer_id < info.num_hidden_layers:
-                    raise InvalidRequest(
-                        "capture.aux_layer_ids",
-                        f"layer id {layer_id} is outside [0, {info.num_hidden_layers}) for this "
-                        f"{info.num_hidden_layers}-layer model",
-                    )
-            if params.max_new_tokens > 1:
-                raise InvalidRequest(
-                    "sampling_params.max_new_tokens",
-                    f"a capture request generates at most 1 token, got {params.max_new_tokens}",
-                )
+        limits = RequestLimits(
+            num_hidden_layers=self.model_info.num_hidden_layers,
+            vocab_size=self._vocab_rows,  # the embedding's rows: a padded vocabulary takes every id it has a row for
+            max_context_length=self.model_info.max_context_length,
+        )
+        check_request(prompts, is_batch, params, capture, limits)
 
     def submit(
         self, prompts: list[list[int]], params: SamplingParams, capture: CaptureSpec | None
@@ -590,8 +557,8 @@ class ReferenceEngine:
         if params.temperature > 0:
             top_k = params.top_k if params.top_k > 0 else 0  # transformers: 0 disables top-k
             sampling = {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": top_k}
-            if params.seed is not None:
-                torch.manual_seed(params.seed)  # the global RNG is safe to reseed: only this thread samples
+            if params.sampling_seed is not None:
+                torch.manual_seed(params.sampling_seed)  # the global RNG is safe to reseed: only this thread samples
         config = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             eos_token_id=sorted(stop_ids) or None,
@@ -636,8 +603,8 @@ def _next_token(logits: torch.Tensor, params: SamplingParams) -> int:
         drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)  # back to vocabulary order
         logits = logits.masked_fill(drop, float("-inf"))
     generator = None
-    if params.seed is not None:
-        generator = torch.Generator(device=logits.device).manual_seed(params.seed)
+    if params.sampling_seed is not None:
+        generator = torch.Generator(device=logits.device).manual_seed(params.sampling_seed)
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 

@@ -8,7 +8,6 @@ protocol (docs/capture-protocol.md). The model loads in the engine thread after 
 import asyncio
 import logging
 import threading
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,14 +20,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.inference.reference.engine import EngineUnavailable, InvalidRequest, PromptResult, ReferenceEngine
+from services.inference.reference.engine import EngineUnavailable, PromptResult, ReferenceEngine
 from shared.capture_protocol import (
     CAPTURE_CONTENT_TYPE,
     CapturedStates,
     GenerateRequest,
+    InvalidRequest,
     ModelInfo,
     capture_file_name,
     encode_capture_body,
+    request_ids,
     write_capture_file,
 )
 from shared.errors import ConfigurationError
@@ -76,8 +77,8 @@ def metrics(engine: EngineDep) -> Response:
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, engine: EngineDep, shm_dir: ShmDirDep) -> Response:
     prompts, is_batch = _prompts(body, engine)
-    rids = _rids(body.rid, len(prompts), is_batch)
-    engine.check(prompts, body.sampling_params, body.capture)
+    rids = request_ids(body.rid, len(prompts), is_batch)
+    engine.check(prompts, is_batch, body.sampling_params, body.capture)
     results = await asyncio.wrap_future(engine.submit(prompts, body.sampling_params, body.capture))
     return await _respond(body, engine, shm_dir, prompts, rids, results, is_batch)
 
@@ -96,19 +97,6 @@ def _prompts(body: GenerateRequest, engine: ReferenceEngine) -> tuple[list[list[
     texts = [body.text] if isinstance(body.text, str) else body.text
     prompts = [engine.tokenizer(text).input_ids for text in texts]
     return prompts, not isinstance(body.text, str)
-
-
-def _rids(rid: str | list[str] | None, n_prompts: int, is_batch: bool) -> list[str]:
-    if rid is None:
-        return [uuid.uuid4().hex for _ in range(n_prompts)]
-    if is_batch != isinstance(rid, list):
-        raise InvalidRequest("rid", "give one string for a single prompt and a list for a batch")
-    rids = rid if isinstance(rid, list) else [rid]
-    if len(rids) != n_prompts:
-        raise InvalidRequest("rid", f"{len(rids)} ids for {n_prompts} prompts")
-    if len(set(rids)) != len(rids):
-        raise InvalidRequest("rid", "ids must be unique within a request")
-    return rids
 
 
 async def _respond(
@@ -195,13 +183,7 @@ def create_app(settings: Settings, engine: ReferenceEngine | None = None) -> Fas
     async def malformed_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         # SGLang answers 400 for a malformed request; FastAPI's default would be 422.
         engine.metrics.errors.labels(reason="bad_request").inc()
-        messages = []
-        for error in exc.errors():
-            location = ".".join(str(part) for part in error["loc"] if part != "body")
-            # A validator's ValueError reads better without pydantic's "Value error, " prefix.
-            reason = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-            messages.append(f"{location}: {reason}" if location else reason)
-        return _error(400, "; ".join(messages))
+        return _error(400, str(InvalidRequest.from_validation_errors(exc.errors())))
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:

@@ -10,7 +10,8 @@ state against the post-final-norm state. Exit status: 0 all good, 1 a check fail
 
 A plain tolerance cannot catch an off-by-one layer (adjacent middle layers of a real model differ by a few
 percent), so each slice must also be nearer to its own layer than to any other. Tolerances: bf16 on the server
-against fp32 here is under 1% for aux layers and 2-5% for the final state on real models (DESIGN.md).
+against fp32 here is under 1% for aux layers and 2-5% for the final state on real models
+(docs/architecture.md, "Aux layer ids").
 
 Runs anywhere the project's `shared` package, torch and transformers import: the repo's venv, or inside the
 SGLang container (`docker exec ... python3 /opt/eagle3/sglang-plugin/golden_check.py ...`). The transformers

@@ -6,9 +6,10 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, ValidationError
 
-from services.producer.deps import Authorized, EnqueueDep, RedisDep, RegenerateEnqueueDep, SettingsDep, StorageDep
-from shared import jobs, layout, progress, regeneration
+from services.producer.deps import Authorized, EnqueueDep, RedisDep, SettingsDep, StorageDep
+from shared import jobs, layout, progress
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
+from shared.kinds import kind_of
 from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -20,22 +21,10 @@ class JobPublic(BaseModel):
 
 
 def _submit(
-    spec: JobSpec,
-    settings: SettingsDep,
-    storage: StorageDep,
-    client: RedisDep,
-    enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
+    spec: JobSpec, settings: SettingsDep, storage: StorageDep, client: RedisDep, enqueue: EnqueueDep
 ) -> JobPublic:
-    submit = regeneration.submit if spec.kind == "regenerate" else jobs.submit
     try:
-        job = submit(
-            spec,
-            settings=settings,
-            storage=storage,
-            client=client,
-            enqueue=enqueue_regenerate if spec.kind == "regenerate" else enqueue,
-        )
+        job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=enqueue)
     except OverBudget as exc:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(exc)) from exc
     except DependencyUnavailable as exc:
@@ -61,11 +50,10 @@ def create_job(
     storage: StorageDep,
     client: RedisDep,
     enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
 ) -> JobPublic:
     """Plan a job from a dataset already in storage or on a path the producer can read. `kind: "regenerate"`
     rewrites the assistant turns with the target (docs/regeneration.md); otherwise hidden states are extracted."""
-    return _submit(spec, settings, storage, client, enqueue, enqueue_regenerate)
+    return _submit(spec, settings, storage, client, enqueue)
 
 
 @router.post("/upload", status_code=status.HTTP_201_CREATED, dependencies=[Authorized])
@@ -76,7 +64,6 @@ def create_job_from_upload(
     storage: StorageDep,
     client: RedisDep,
     enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
 ) -> JobPublic:
     """Upload a dataset with the job; it is kept in storage as `{job_id}/dataset.jsonl`."""
     try:
@@ -88,7 +75,7 @@ def create_job_from_upload(
     except (json.JSONDecodeError, ValidationError, AttributeError) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"spec: {exc}") from exc
     storage.put(key, dataset.file.read())
-    return _submit(parsed, settings, storage, client, enqueue, enqueue_regenerate)
+    return _submit(parsed, settings, storage, client, enqueue)
 
 
 @router.get("")
@@ -105,6 +92,12 @@ def get_job(job_id: str, settings: SettingsDep, storage: StorageDep, client: Red
     return JobPublic(job=job, progress=_progress(job_id, settings, client))
 
 
+@router.get("/{job_id}/progress")
+def get_progress(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
+    """Token-weighted progress alone (from Redis): what a live progress bar polls."""
+    return _progress(job_id, settings, client)
+
+
 @router.get("/{job_id}/rejected")
 def get_rejected(job_id: str, storage: StorageDep) -> list[RejectedSample]:
     try:
@@ -116,12 +109,12 @@ def get_rejected(job_id: str, storage: StorageDep) -> list[RejectedSample]:
 
 @router.get("/{job_id}/failed")
 def get_failed(job_id: str, storage: StorageDep) -> list[FailedConversation]:
-    """A regenerate job's conversations that are not in its output, each with its reason."""
+    """The samples (a regenerate job: conversations) that will not be in the job's output, each with its reason."""
     try:
         job = jobs.load_job(storage, job_id)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    return regeneration.failed_conversations(storage, job_id) if job.kind == "regenerate" else []
+    return kind_of(job.kind).failed(storage, job_id)
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
@@ -141,14 +134,10 @@ def resume_job(
     storage: StorageDep,
     client: RedisDep,
     enqueue: EnqueueDep,
-    enqueue_regenerate: RegenerateEnqueueDep,
 ) -> Progress:
     """Re-enqueue every shard without a manifest, after recounting progress from storage."""
     try:
-        if jobs.load_job(storage, job_id).kind == "regenerate":
-            regeneration.resume(job_id, storage=storage, client=client, enqueue=enqueue_regenerate)
-        else:
-            jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
+        jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
     return _progress(job_id, settings, client)

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.capture_protocol import default_aux_layer_ids
+from shared.capture_protocol import NUM_AUX_LAYERS, default_aux_layer_ids
 
-NUM_AUX_LAYERS = 3  # the protocol's aux_layer_ids hold exactly three ids
 DEFAULT_SHM_DIR = Path("/dev/shm/eagle3")
+DEFAULT_CAPTURE_WRITERS = 4  # a batch's files are written in parallel, off the scheduler's thread
 
 
 class PluginConfigError(ValueError):
@@ -34,12 +34,24 @@ class PluginConfig:
     # Where the scheduler writes captures: the shared directory of transport "shm" (the worker mounts it),
     # and the spool of transport "body" (hidden files the HTTP process reads back and deletes).
     shm_dir: Path = DEFAULT_SHM_DIR
+    # Threads of the scheduler process that write capture files (capture.CaptureWriter); 0 writes on the
+    # scheduler's own thread, which then waits for the bytes before it runs the next batch.
+    capture_writers: int = DEFAULT_CAPTURE_WRITERS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "PluginConfig":
         # EAGLE3_SHM_DIR is the project's setting of the same meaning (shared/settings.py: shm_dir).
         shm_dir = environ.get("EAGLE3_SHM_DIR", "").strip()
-        return cls(shm_dir=Path(shm_dir) if shm_dir else DEFAULT_SHM_DIR)
+        writers_text = environ.get("EAGLE3_SGLANG_CAPTURE_WRITERS", "").strip()
+        try:
+            writers = int(writers_text) if writers_text else DEFAULT_CAPTURE_WRITERS
+            if writers < 0:
+                raise ValueError("negative")
+        except ValueError as exc:
+            raise PluginConfigError(
+                f"EAGLE3_SGLANG_CAPTURE_WRITERS: {writers_text!r} is not a thread count (0 or more)"
+            ) from exc
+        return cls(shm_dir=Path(shm_dir) if shm_dir else DEFAULT_SHM_DIR, capture_writers=writers)
 
 
 def parse_layer_ids(text: str, *, setting: str = "EAGLE3_AUX_LAYER_IDS") -> list[int]:

@@ -42,7 +42,14 @@ from pathlib import Path
 from typing import Any
 
 from . import SGLANG_VERSION, __version__
-from .capture import CAPTURE_META_KEY, CaptureTicket, capture_request, is_writer_rank, without_empty_capture_meta
+from .capture import (
+    CAPTURE_META_KEY,
+    CaptureTicket,
+    CaptureWriter,
+    capture_request,
+    is_writer_rank,
+    without_empty_capture_meta,
+)
 from .config import PluginConfig, resolve_capture_layer_ids
 from .http import BackendUnavailable, CaptureMiddleware
 from .protocol import ModelLimits, model_info_answer
@@ -82,6 +89,13 @@ def register() -> None:
 @functools.cache
 def _config() -> PluginConfig:
     return PluginConfig.from_env()
+
+
+@functools.cache
+def _writer() -> CaptureWriter:
+    """The scheduler process's capture writer (its threads start with the first capture)."""
+    config = _config()
+    return CaptureWriter(config.shm_dir, config.capture_writers)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -199,7 +213,7 @@ def append_prefill_hidden_states(original: Any, processor: Any, **kwargs: Any) -
     if store and _is_writer_rank():
         logits_output = kwargs["logits_output"]
         meta = capture_request(
-            shm_dir=_config().shm_dir,
+            writer=_writer(),
             ticket=ticket,
             rid=req.rid,
             aux_hidden_states=logits_output.hidden_states,

@@ -10,8 +10,10 @@ Nothing here imports SGLang: the SGLang side is the `CaptureBackend` (`hooks.SGL
 is tested with a stand-in backend.
 """
 
+import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,9 +22,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from shared.capture_protocol import CAPTURE_CONTENT_TYPE, CapturedStates, encode_capture_body, read_capture_file
+from shared.capture_protocol import (
+    CAPTURE_CONTENT_TYPE,
+    CapturedStates,
+    InvalidRequest,
+    encode_capture_body,
+    read_capture_file,
+)
 
-from .protocol import BadRequest, CaptureFailed, CapturePlan, ModelLimits, plan_capture, protocol_outputs
+from .capture import error_file_name
+from .protocol import CaptureFailed, CapturePlan, ModelLimits, plan_capture, protocol_outputs
 from .protocol import sglang_generate_kwargs as build_generate_kwargs
 
 logger = logging.getLogger(__name__)
@@ -35,6 +44,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 GENERATE_PATH = "/generate"
 MODEL_INFO_PATHS = ("/get_model_info", "/model_info")
+# How long an answered capture may take to appear in the shared directory (the scheduler's writer threads write it
+# after SGLang answered): far above a write's real duration, which is well under a second for 64 MB.
+WRITE_TIMEOUT_S = 300.0
+_POLL_S = 0.002
 
 
 class BackendUnavailable(RuntimeError):
@@ -70,7 +83,7 @@ class CaptureMiddleware:
             return
         path, method = scope["path"], scope["method"]
         if path in MODEL_INFO_PATHS and method == "GET":
-            await self._model_info()(scope, receive, send)
+            await self._model_info(self.app)(scope, receive, send)
             return
         if path != GENERATE_PATH or method not in ("POST", "PUT"):
             await self.app(scope, receive, send)
@@ -84,40 +97,71 @@ class CaptureMiddleware:
         response = await self._capture(Request(scope, replay), capture_body)
         await response(scope, replay, send)
 
-    def _model_info(self) -> "_Deferred":
-        async def answer() -> Response:
-            try:
-                return JSONResponse(await self.backend.model_info())
-            except BackendUnavailable as exc:
-                return _error(503, str(exc))
+    def _model_info(self, stock: ASGIApp) -> ASGIApp:
+        """The protocol's model info; SGLang's own where this server does not capture.
 
-        return _Deferred(answer)
+        A stock launch of an image with the plugin installed is then stock SGLang (its warm-up reads
+        `/model_info`); only capture requests are answered 503 with the reason.
+        """
+
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            try:
+                response: Response = JSONResponse(await self.backend.model_info())
+            except BackendUnavailable:
+                await stock(scope, receive, send)
+                return
+            await response(scope, receive, send)
+
+        return app
 
     async def _capture(self, request: Request, body: dict[str, Any]) -> Response:
         try:
             plan = plan_capture(body, self.backend.limits())
-        except BadRequest as exc:
+        except InvalidRequest as exc:
             return _error(400, str(exc))
         except BackendUnavailable as exc:
             return _error(503, str(exc))
         try:
             answer = await self.backend.generate(build_generate_kwargs(plan), request)
             outputs = protocol_outputs(plan, answer)
+            await wait_until_written(self.backend.shm_dir, plan.file_names, WRITE_TIMEOUT_S)
             if plan.transport == "body":
                 content = await run_in_threadpool(_encode_body, self.backend.shm_dir, plan, outputs)
                 return Response(memoryview(content), media_type=CAPTURE_CONTENT_TYPE)
         except ValueError as exc:  # SGLang's own request checks raise ValueError (its /generate answers 400)
-            await run_in_threadpool(_remove_files, self.backend.shm_dir, plan.file_names)
+            await self._discard(plan)
             return _error(400, str(exc))
         except CaptureFailed as exc:
-            await run_in_threadpool(_remove_files, self.backend.shm_dir, plan.file_names)
+            await self._discard(plan)
             return _error(500, str(exc))
         except Exception as exc:
             logger.exception("capture request rids=%s failed", ",".join(plan.rids))
-            await run_in_threadpool(_remove_files, self.backend.shm_dir, plan.file_names)
+            await self._discard(plan)
             return _error(500, f"internal error: {exc!r}")
         logger.debug("captured rids=%s transport=shm", ",".join(plan.rids))
         return JSONResponse(outputs if plan.is_batch else outputs[0])
+
+    async def _discard(self, plan: CapturePlan) -> None:
+        """Remove a failed request's files, now and once more after the writer threads are surely done with
+        the other prompts of its batch."""
+        shm_dir, names = self.backend.shm_dir, plan.file_names
+        await run_in_threadpool(_remove_files, shm_dir, names)
+        asyncio.get_running_loop().call_later(WRITE_TIMEOUT_S, _remove_files, shm_dir, names)
+
+
+async def wait_until_written(shm_dir: Path, names: list[str], timeout_s: float) -> None:
+    """Return once every file is in place; raise CaptureFailed with the writer's reason (or the wait's)."""
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        path, error_path = shm_dir / name, shm_dir / error_file_name(name)
+        while not path.exists():
+            if error_path.exists():
+                reason = error_path.read_text()
+                error_path.unlink(missing_ok=True)
+                raise CaptureFailed(reason)
+            if time.monotonic() > deadline:
+                raise CaptureFailed(f"capture file {name} was not written within {timeout_s:.0f} s")
+            await asyncio.sleep(_POLL_S)
 
 
 def _encode_body(shm_dir: Path, plan: CapturePlan, outputs: list[dict[str, Any]]) -> bytearray:
@@ -135,6 +179,7 @@ def _encode_body(shm_dir: Path, plan: CapturePlan, outputs: list[dict[str, Any]]
 def _remove_files(shm_dir: Path, names: list[str]) -> None:
     for name in names:
         (shm_dir / name).unlink(missing_ok=True)
+        (shm_dir / error_file_name(name)).unlink(missing_ok=True)
 
 
 def _capture_body(body: bytes) -> dict[str, Any] | None:
@@ -174,17 +219,6 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-
-
-class _Deferred:
-    """An ASGI app that builds its response when called (so errors become responses, not exceptions)."""
-
-    def __init__(self, build: Callable[[], Awaitable[Response]]) -> None:
-        self.build = build
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = await self.build()
-        await response(scope, receive, send)
 
 
 def _error(status_code: int, message: str) -> JSONResponse:

@@ -1,8 +1,8 @@
 """HTTP side of the capture: a protocol request in, SGLang's `GenerateReqInput` fields out, and back again.
 
-The request model and the tensor hand-off are the project's (`shared/capture_protocol.py`); the checks and their
-400 messages follow the reference server (`services/inference/reference/server.py` and `engine.py: check`), so a
-worker sees the same answers from both backends. Two differences, both announced in `/get_model_info`:
+The request model, the request checks and the tensor hand-off are the project's (`shared/capture_protocol.py`,
+the same code the reference server runs), so a worker sees the same 400s from both backends. Two differences,
+both announced in `/get_model_info`:
 - The capture layers are fixed when SGLang starts (`--return-aux-hidden-state-layer-ids`: SGLang arms capture at
   model load, before CUDA-graph capture), so a request must name those layers, in any order. The server lists
   them as `capture_aux_layer_ids`.
@@ -22,34 +22,23 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.capture_protocol import CAPTURE_FILE_SUFFIX, GenerateRequest, capture_file_name
+from shared.capture_protocol import (
+    CAPTURE_FILE_SUFFIX,
+    GenerateRequest,
+    InvalidRequest,
+    RequestLimits,
+    capture_file_name,
+    check_request,
+    request_ids,
+)
 
 from .capture import CAPTURE_META_KEY, CaptureTicket, slot_order
 
 BODY_SPOOL_PREFIX = ".body-"  # transport "body": hidden spool files, read back and deleted by the HTTP process
 
 
-class BadRequest(ValueError):
-    """A malformed capture request (HTTP 400); the message names the field and the reason."""
-
-
 class CaptureFailed(RuntimeError):
     """SGLang ran the request but did not produce a usable capture (HTTP 500); the message says why."""
-
-
-def field_error(field: str, reason: str) -> BadRequest:
-    return BadRequest(f"{field}: {reason}")
-
-
-def validation_message(exc: ValidationError) -> str:
-    """One line per pydantic error, "field.path: reason", as the reference server words them."""
-    messages = []
-    for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"])
-        # A validator's ValueError reads better without pydantic's "Value error, " prefix.
-        reason = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
-        messages.append(f"{location}: {reason}" if location else reason)
-    return "; ".join(messages)
 
 
 @dataclass(frozen=True)
@@ -61,6 +50,9 @@ class ModelLimits:
     vocab_size: int
     max_context_length: int  # the longest prompt SGLang accepts (its context length - 1)
     capture_aux_layer_ids: list[int]  # ascending: the only layers this server captures
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.num_hidden_layers, self.vocab_size, self.max_context_length)
 
 
 @dataclass(frozen=True)
@@ -87,77 +79,39 @@ class CapturePlan:
 
 
 def plan_capture(body: Any, limits: ModelLimits) -> CapturePlan:
-    """Validate a `/generate` body that carries `capture`; raises BadRequest naming the field."""
+    """Validate a `/generate` body that carries `capture`; raises InvalidRequest naming the field.
+
+    The checks are the reference server's (`shared.capture_protocol.check_request`), plus what is SGLang's own:
+    input ids only, and exactly the layers fixed at launch.
+    """
     try:
         request = GenerateRequest.model_validate(body)
     except ValidationError as exc:
-        raise BadRequest(validation_message(exc)) from exc
+        raise InvalidRequest.from_validation_errors(exc.errors()) from exc
     capture = request.capture
     assert capture is not None, "plan_capture is only called for bodies with a capture field"
     if request.input_ids is None:
-        raise field_error("text", "a capture request sends input_ids (this server runs with --skip-tokenizer-init)")
+        raise InvalidRequest("text", "a capture request sends input_ids (this server runs with --skip-tokenizer-init)")
     if request.input_ids and isinstance(request.input_ids[0], list):
         prompts, is_batch = request.input_ids, True
     else:
         prompts, is_batch = [request.input_ids], False
     prompts = [list(p) for p in prompts]  # type: ignore[arg-type]  # the validator allows no mixed lists
-
-    if not prompts:
-        raise field_error("input_ids", "no prompts")
-    for b, prompt in enumerate(prompts):
-        name = f"input_ids[{b}]" if is_batch else "input_ids"
-        if not prompt:
-            raise field_error(name, "empty prompt")
-        if min(prompt) < 0 or max(prompt) >= limits.vocab_size:
-            position, token_id = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < limits.vocab_size)
-            raise field_error(
-                f"{name}[{position}]", f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})"
-            )
-        if len(prompt) > limits.max_context_length:
-            raise field_error(
-                name, f"prompt of {len(prompt)} tokens exceeds max_context_length {limits.max_context_length}"
-            )
-    if request.sampling_params.max_new_tokens > 1:
-        raise field_error(
-            "sampling_params.max_new_tokens",
-            "a capture request runs the prompt once and generates at most 1 token, "
-            f"got {request.sampling_params.max_new_tokens}",
-        )
-    for layer_id in capture.aux_layer_ids:
-        if not 0 <= layer_id < limits.num_hidden_layers:
-            raise field_error(
-                "capture.aux_layer_ids",
-                f"layer id {layer_id} is outside [0, {limits.num_hidden_layers}) for this "
-                f"{limits.num_hidden_layers}-layer model",
-            )
+    check_request(prompts, is_batch, request.sampling_params, capture, limits.request_limits())
     try:
         order = slot_order(limits.capture_aux_layer_ids, capture.aux_layer_ids)
     except ValueError as exc:
-        raise field_error("capture.aux_layer_ids", str(exc)) from exc
+        raise InvalidRequest("capture.aux_layer_ids", str(exc)) from exc
 
-    rids = normalize_rids(request.rid, len(prompts), is_batch)
+    rids = request_ids(request.rid, len(prompts), is_batch)
     if capture.transport == "shm":
         file_names = [capture_file_name(rid) for rid in rids]
         if len(set(file_names)) != len(file_names):
-            raise field_error("rid", "two ids of this request map to the same capture file name")
+            raise InvalidRequest("rid", "two ids of this request map to the same capture file name")
     else:
         file_names = [f"{BODY_SPOOL_PREFIX}{uuid.uuid4().hex}{CAPTURE_FILE_SUFFIX}" for _ in rids]
     extra_keys = normalize_extra_keys(request.extra_key, len(prompts), is_batch)
     return CapturePlan(request, prompts, rids, file_names, extra_keys, is_batch, order)
-
-
-def normalize_rids(rid: str | list[str] | None, n_prompts: int, is_batch: bool) -> list[str]:
-    """One unique id per prompt; generated when the request gives none (the reference server's rules)."""
-    if rid is None:
-        return [uuid.uuid4().hex for _ in range(n_prompts)]
-    if is_batch != isinstance(rid, list):
-        raise field_error("rid", "give one string for a single prompt and a list for a batch")
-    rids = rid if isinstance(rid, list) else [rid]
-    if len(rids) != n_prompts:
-        raise field_error("rid", f"{len(rids)} ids for {n_prompts} prompts")
-    if len(set(rids)) != len(rids):
-        raise field_error("rid", "ids must be unique within a request")
-    return rids
 
 
 def normalize_extra_keys(extra_key: str | list[str] | None, n_prompts: int, is_batch: bool) -> list[str]:
@@ -169,10 +123,10 @@ def normalize_extra_keys(extra_key: str | list[str] | None, n_prompts: int, is_b
     if extra_key is None:
         return [uuid.uuid4().hex for _ in range(n_prompts)]
     if is_batch != isinstance(extra_key, list):
-        raise field_error("extra_key", "give one string for a single prompt and a list for a batch")
+        raise InvalidRequest("extra_key", "give one string for a single prompt and a list for a batch")
     keys = extra_key if isinstance(extra_key, list) else [extra_key]
     if len(keys) != n_prompts:
-        raise field_error("extra_key", f"{len(keys)} keys for {n_prompts} prompts")
+        raise InvalidRequest("extra_key", f"{len(keys)} keys for {n_prompts} prompts")
     return keys
 
 
@@ -189,8 +143,8 @@ def sglang_generate_kwargs(plan: CapturePlan) -> dict[str, Any]:
         "stop_token_ids": list(params.stop_token_ids) or None,
         "skip_special_tokens": params.skip_special_tokens,
     }
-    if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
+    if params.sampling_seed is not None:
+        sampling["sampling_seed"] = params.sampling_seed
     per_prompt = [
         {**sampling, "custom_params": CaptureTicket(name, plan.ticket_order).to_custom_params()}
         for name in plan.file_names

@@ -1,43 +1,31 @@
-"""`eagle3` job commands: submit, regenerate, status (with a live progress bar), jobs, cancel, resume, up, demo."""
+"""`eagle3` job commands, all through the producer API: submit, regenerate, status (with a live progress bar), jobs,
+cancel, resume; and `up`, the stack as local processes."""
 
 import argparse
 import json
 import logging
 import signal
 import time
+import types
+import typing
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
-import redis
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shared import progress
+from eagle3.api import api_client, check, list_progress, read_progress
+from eagle3.local_stack import LocalStack
 from shared.errors import Eagle3Error
-from shared.local_stack import LocalStack
+from shared.schemas import JobSpec
 from shared.schemas import Progress as JobProgress
 from shared.settings import Settings
 
 console = Console()
 logger = logging.getLogger(__name__)
-
-
-def _api(settings: Settings) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-    return httpx.Client(base_url=settings.api_url, headers=headers, timeout=600)
-
-
-def _check(response: httpx.Response) -> dict:
-    if response.is_error:
-        detail = (
-            response.json().get("detail", response.text)
-            if "json" in response.headers.get("content-type", "")
-            else response.text
-        )
-        raise SystemExit(f"error {response.status_code}: {detail}")
-    return response.json()
 
 
 def _gb(n: float | None) -> str:
@@ -89,14 +77,11 @@ def progress_table(p: JobProgress) -> Table:
     return table
 
 
-def watch(job_id: str, settings: Settings, *, interval_s: float = 0.5, alive: LocalStack | None = None) -> JobProgress:
+def watch(job_id: str, api: httpx.Client, *, interval_s: float = 0.5, alive: LocalStack | None = None) -> JobProgress:
     """A live token-weighted progress bar until the job finishes."""
-    client = redis.Redis.from_url(settings.redis_url)
 
     def read() -> JobProgress:
-        return progress.job_progress(
-            client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
-        )
+        return read_progress(api, job_id)
 
     p = read()
     columns = [
@@ -129,71 +114,86 @@ def watch(job_id: str, settings: Settings, *, interval_s: float = 0.5, alive: Lo
     return p
 
 
-def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
-    spec = {
-        k: v
-        for k, v in {
-            "model_path": args.model,
-            "job_id": args.job_id,
-            "max_length": args.max_length,
-            "length_policy": args.length_policy,
-            "draft_vocab_size": args.draft_vocab_size,
-            "shard_token_budget": args.shard_token_budget,
-            "storage_dtype": args.storage_dtype,
-        }.items()
-        if v is not None
-    }
-    with _api(settings) as api:
-        if args.upload:
-            with open(args.dataset, "rb") as f:
-                job = _check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
+# The job commands' options are JobSpec's fields (type, choices and help from the schema), so they cannot drift.
+EXTRACTION_OPTIONS = (
+    "model_path",
+    "job_id",
+    "max_length",
+    "length_policy",
+    "draft_vocab_size",
+    "shard_token_budget",
+    "storage_dtype",
+)
+REGENERATION_OPTIONS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "reasoning",
+    "conversations_per_shard",
+    "then_extract",
+    "then_train",
+)
+FLAGS = {"model_path": ("--model", "--model-path")}
+
+
+def add_spec_options(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    for name in names:
+        field = JobSpec.model_fields[name]
+        kind = field.annotation
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the option is X
+            (kind,) = [t for t in typing.get_args(kind) if t is not type(None)]
+        options: dict[str, Any] = {"dest": name, "default": None}
+        if kind is bool:
+            options["action"] = "store_true"
+        elif typing.get_origin(kind) is typing.Literal:
+            options["choices"] = typing.get_args(kind)
         else:
-            dataset = args.dataset if "://" in args.dataset else str(Path(args.dataset).resolve())
-            job = _check(api.post("/v1/jobs", json={**spec, "dataset_url": dataset}))
-    job_id = job["job"]["job_id"]
-    console.print(
-        f"submitted [bold]{job_id}[/]: {job['job']['samples_total']} samples "
-        f"({job['job']['samples_rejected']} rejected), {job['job']['tokens_total']} tokens, "
-        f"{job['job']['shards_total']} shards"
-    )
-    if args.watch:
-        console.print(progress_table(watch(job_id, settings)))
+            options["type"] = kind
+        default = "" if field.default in (None, False) else f" (default {field.default})"
+        options["help"] = (field.description or "") + default
+        parser.add_argument(*FLAGS.get(name, ("--" + name.replace("_", "-"),)), **options)
+
+
+def spec_of(args: argparse.Namespace, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:
+    given = {name: getattr(args, name) for name in names if getattr(args, name) not in (None, False)}
+    return fields | given
+
+
+def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
+    spec = spec_of(args, EXTRACTION_OPTIONS)
+    with api_client(settings) as api:
+        job = post_job(api, args.dataset, spec, upload=args.upload)
+        job_id = job["job"]["job_id"]
+        console.print(
+            f"submitted [bold]{job_id}[/]: {job['job']['samples_total']} samples "
+            f"({job['job']['samples_rejected']} rejected), {job['job']['tokens_total']} tokens, "
+            f"{job['job']['shards_total']} shards"
+        )
+        if args.watch:
+            console.print(progress_table(watch(job_id, api)))
+
+
+def post_job(api: httpx.Client, dataset: str, spec: dict, *, upload: bool) -> dict:
+    """Submit a job of any kind: the dataset uploaded, or its path or URL passed for the producer to read."""
+    if upload:
+        with open(dataset, "rb") as f:
+            return check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
+    url = dataset if "://" in dataset else str(Path(dataset).resolve())
+    return check(api.post("/v1/jobs", json={**spec, "dataset_url": url}))
 
 
 def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
-    spec = {
-        k: v
-        for k, v in {
-            "kind": "regenerate",
-            "model_path": args.model,
-            "job_id": args.job_id,
-            "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k,
-            "seed": args.seed,
-            "reasoning": args.reasoning,
-            "conversations_per_shard": args.conversations_per_shard,
-            "then_extract": args.then_extract or None,
-            "then_train": args.then_train or None,
-            "max_length": args.max_length,
-            "length_policy": args.length_policy,
-            "draft_vocab_size": args.draft_vocab_size,
-            "shard_token_budget": args.shard_token_budget,
-            "storage_dtype": args.storage_dtype,
-        }.items()
-        if v is not None
-    }
+    spec = spec_of(args, EXTRACTION_OPTIONS + REGENERATION_OPTIONS, kind="regenerate")
     if args.out is not None:
         spec["output_url"] = args.out if "://" in args.out else str(Path(args.out).resolve())
-    with _api(settings) as api:
-        if args.upload:
-            with open(args.dataset, "rb") as f:
-                job = _check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
-        else:
-            dataset = args.dataset if "://" in args.dataset else str(Path(args.dataset).resolve())
-            job = _check(api.post("/v1/jobs", json={**spec, "dataset_url": dataset}))
-    record = job["job"]
+    with api_client(settings) as api:
+        job = post_job(api, args.dataset, spec, upload=args.upload)
+        watch_regeneration(job["job"], api, watch_it=args.watch)
+
+
+def watch_regeneration(record: dict, api: httpx.Client, *, watch_it: bool) -> None:
     plan = record["regeneration"]
     console.print(
         f"submitted [bold]{record['job_id']}[/]: {record['samples_total']} conversations "
@@ -205,25 +205,18 @@ def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
         console.print(f"then extraction job [bold]{plan['chained_job_id']}[/] on the regenerated conversations")
     if record["spec"]["then_train"]:
         console.print(f"train on it with: eagle3 train --job {record['job_id']} --follow")
-    if not args.watch:
+    if not watch_it:
         return
-    p = watch(record["job_id"], settings)
+    p = watch(record["job_id"], api)
     console.print(progress_table(p))
     chained = p.regeneration.chained_job_id if p.regeneration else None
     if chained is not None:
-        console.print(progress_table(watch(chained, settings)))
+        console.print(progress_table(watch(chained, api)))
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
-    if args.watch:
-        p = watch(args.job_id, settings)
-    else:
-        p = progress.job_progress(
-            redis.Redis.from_url(settings.redis_url),
-            args.job_id,
-            window_s=settings.progress_window_s,
-            budget_bytes=settings.storage_budget_bytes,
-        )
+    with api_client(settings) as api:
+        p = watch(args.job_id, api) if args.watch else read_progress(api, args.job_id)
     if args.json:
         print(p.model_dump_json(indent=2))
     else:
@@ -231,12 +224,12 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
-    client = redis.Redis.from_url(settings.redis_url)
     table = Table("job", "kind", "state", "tokens", "samples", "shards", "dead", "tokens/s")
-    for job_id in progress.list_jobs(client):
-        p = progress.job_progress(client, job_id, window_s=settings.progress_window_s)
+    with api_client(settings) as api:
+        jobs = list_progress(api)
+    for p in jobs:
         table.add_row(
-            job_id,
+            p.job_id,
             p.kind,
             p.state,
             f"{p.tokens_done}/{p.tokens_total}",
@@ -249,18 +242,18 @@ def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_cancel(args: argparse.Namespace, settings: Settings) -> None:
-    with _api(settings) as api:
-        console.print(_check(api.post(f"/v1/jobs/{args.job_id}/cancel"))["state"])
+    with api_client(settings) as api:
+        console.print(check(api.post(f"/v1/jobs/{args.job_id}/cancel"))["state"])
 
 
 def cmd_resume(args: argparse.Namespace, settings: Settings) -> None:
-    with _api(settings) as api:
-        _check(api.post(f"/v1/jobs/{args.job_id}/resume"))
-    if args.watch:
-        console.print(progress_table(watch(args.job_id, settings)))
+    with api_client(settings) as api:
+        check(api.post(f"/v1/jobs/{args.job_id}/resume"))
+        if args.watch:
+            console.print(progress_table(watch(args.job_id, api)))
 
 
-def _exit_on_sigterm() -> None:
+def exit_on_sigterm() -> None:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
@@ -268,7 +261,7 @@ def _exit_on_sigterm() -> None:
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
-    _exit_on_sigterm()
+    exit_on_sigterm()
     try:
         with LocalStack(settings, workers=args.workers, log_dir=settings.home / "logs") as stack:
             console.print(
@@ -288,17 +281,7 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("submit", help="submit an extraction job to the producer API")
     p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
-    p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
-    p.add_argument("--job-id")
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--length-policy", choices=["truncate", "reject"])
-    p.add_argument("--draft-vocab-size", type=int)
-    p.add_argument("--shard-token-budget", type=int)
-    p.add_argument(
-        "--storage-dtype",
-        choices=["bfloat16", "fp8_e4m3"],
-        help="hidden states at rest: bfloat16 (default, SpecForge-readable) or fp8_e4m3 (about half the bytes)",
-    )
+    add_spec_options(p, EXTRACTION_OPTIONS)
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="show a live progress bar until the job finishes")
     p.set_defaults(func=cmd_submit)
@@ -309,28 +292,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         description="The extraction options (--max-length ... --shard-token-budget) apply to the chained extraction "
         "job (--then-extract).",
     )
-    p.add_argument("--dataset", required=True, help="JSONL path or URL (file://, s3://)")
+    p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
     p.add_argument("--out", help="also write the regenerated JSONL here (a path the workers can write, or s3://)")
-    p.add_argument("--model", help="local Hugging Face folder of the target (default EAGLE3_MODEL_PATH)")
-    p.add_argument("--job-id")
-    p.add_argument("--max-new-tokens", type=int, help="per assistant turn (default 2048)")
-    p.add_argument("--temperature", type=float, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int, help="sampling seed (each turn derives its own)")
-    p.add_argument("--reasoning", choices=["keep", "drop"], help="keep (default) or drop <think>...</think> text")
-    p.add_argument("--conversations-per-shard", type=int, help="conversations per Celery task (default 64)")
-    p.add_argument("--then-extract", action="store_true", help="then extract the regenerated dataset (one job)")
-    p.add_argument("--then-train", action="store_true", help="mark for training; implies --then-extract")
-    p.add_argument("--max-length", type=int)
-    p.add_argument("--length-policy", choices=["truncate", "reject"])
-    p.add_argument("--draft-vocab-size", type=int)
-    p.add_argument("--shard-token-budget", type=int)
-    p.add_argument(
-        "--storage-dtype",
-        choices=["bfloat16", "fp8_e4m3"],
-        help="hidden states at rest: bfloat16 (default, SpecForge-readable) or fp8_e4m3 (about half the bytes)",
-    )
+    add_spec_options(p, EXTRACTION_OPTIONS + REGENERATION_OPTIONS)
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
     p.set_defaults(func=cmd_regenerate)

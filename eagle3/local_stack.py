@@ -123,7 +123,7 @@ class LocalStack:
 
     def add_worker(self) -> str:
         name = f"worker-{sum(n.startswith('worker-') for n, _ in self.processes) + 1}"
-        self._spawn(name, [sys.executable, "-m", "services.cli", "worker", "--name", f"{name}@%h"])
+        self._spawn(name, [sys.executable, "-m", "eagle3", "worker", "--name", f"{name}@%h"])
         return name
 
     def _ensure_redis(self) -> str:

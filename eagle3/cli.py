@@ -1,11 +1,11 @@
-"""The `eagle3` console script: one entry point, one subcommand per service or job action."""
+"""The `eagle3` console script: one entry point, one subcommand per service or job action (`python -m eagle3`)."""
 
 import argparse
 import logging
 import sys
 
-from services.producer import cli as producer_cli
-from services.producer import demo
+from eagle3 import demo
+from eagle3 import jobs as jobs_cli
 from services.trainer import cli as trainer_cli
 from services.worker import cli as worker_cli
 from shared.errors import Eagle3Error
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="smollm2")
     p.set_defaults(func=cmd_prepare_model)
     worker_cli.add_parsers(sub)
-    producer_cli.add_parsers(sub)
+    jobs_cli.add_parsers(sub)
     demo.add_parsers(sub)
     trainer_cli.add_parsers(sub)
     return parser

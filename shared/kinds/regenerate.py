@@ -1,16 +1,14 @@
-"""The regeneration stage (docs/regeneration.md): every assistant turn of a dataset rewritten by the target itself,
-so that the drafter learns the target's own distribution rather than human answers.
+"""Regeneration (docs/regeneration.md): every assistant turn of a dataset rewritten by the target itself, so that
+the drafter learns the target's own distribution rather than human answers.
 
-- `submit()` reads the dataset with the extraction's rules (same rejections, same messages), saves the target's
-  tokenizer next to the job (workers render prompts with it), plans shards of conversations and enqueues one
-  task per shard.
-- `regenerate_shard()` (one Celery task) decodes each conversation turn by turn through the inference server's
-  `/generate`: the prompt of an assistant turn is the regenerated history rendered with the chat template plus the
-  generation prompt. Conversations of a shard run concurrently, so the server can batch them. Each finished (or
-  failed) conversation is written create-only, so a retried or redelivered shard does not decode it again; then
-  the shard's JSONL, then its manifest, last, and the shard is counted once (in generated tokens).
-- The worker that commits the last shard assembles `{job}/regenerated.jsonl` (create-only) and, with
-  `then_extract`, asks the producer to submit the extraction job on it (deterministic id, so idempotent).
+- plan: the dataset read with the extraction's rules (same rejections, same messages), the target's tokenizer saved
+  next to the job (workers render prompts with it), shards of `conversations_per_shard` conversations;
+- a shard: each conversation decoded turn by turn through the inference server's `/generate` (the prompt of an
+  assistant turn is the regenerated history rendered with the chat template plus the generation prompt), the
+  conversations of a shard concurrently so that the server batches them. Each finished (or failed) conversation is
+  written create-only, then the shard's JSONL, then its manifest, and the shard counts its generated tokens;
+- after the last commit: `{job}/regenerated.jsonl` is assembled (create-only) and, with `then_extract`, the producer
+  is asked to submit the extraction job on it (deterministic id, so idempotent).
 """
 
 import hashlib
@@ -24,60 +22,44 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
 import redis
-import torch
-import transformers
-from pydantic import BaseModel
 
-import shared
 from shared import layout, progress
 from shared.capture_protocol import ModelInfo
-from shared.datasets import Conversation, InvalidRecord, Message, read_dataset
+from shared.datasets import Conversation, InvalidRecord, Message
 from shared.errors import (
     ConfigurationError,
     Eagle3Error,
     InferenceProtocolError,
-    ModelMismatch,
     ProducerUnavailable,
     SubmitError,
 )
 from shared.inference_client import InferenceClient
-from shared.jobs import (
-    Enqueue,
-    check_services,
-    default_aux_layer_ids,
-    first_rejection,
-    load_job,
-    new_job_id,
-    publish_job,
-    read_dataset_lines,
-    resolve_model,
-)
+from shared.kinds.base import Cancelled, JobKind, JobPlan, Target, check_served_model
 from shared.schemas import (
     ChatMessage,
     ConversationEntry,
     ConversationInput,
     ConversationResult,
-    DeadLetter,
     FailedConversation,
     JobRecord,
     JobSpec,
-    ModelRecord,
     ReasoningPolicy,
     RegenerationManifest,
     RegenerationPlan,
     RegenerationShardInput,
-    RejectedSample,
     TurnRecord,
     utc_now,
 )
 from shared.settings import Settings
-from shared.storage import ObjectNotFound, Storage, open_storage
+from shared.shards import ShardContext, dead_lettered_samples, load_job
+from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
@@ -89,42 +71,12 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ChainSubmit = Callable[[JobSpec], str]  # submits the chained extraction job, returns its id
 
 
-class Cancelled(Eagle3Error):
-    """The job was cancelled while its shard ran; what is done stays for a resume."""
-
-
 class ConversationFailed(Eagle3Error):
     """One turn of one conversation cannot be regenerated; the conversation is recorded with this reason."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
         self.field, self.reason = field, reason
-
-
-class RegenerationOutcome(BaseModel):
-    job_id: str
-    shard_index: int
-    status: Literal["committed", "already_committed", "cancelled"]
-    num_samples: int = 0  # conversations written
-    num_failed: int = 0
-    num_tokens: int = 0  # generated tokens
-    bytes: int = 0
-    seconds: float = 0.0
-
-    @classmethod
-    def of(
-        cls, manifest: RegenerationManifest, status: Literal["committed", "already_committed"], seconds: float = 0.0
-    ) -> "RegenerationOutcome":
-        return cls(
-            job_id=manifest.job_id,
-            shard_index=manifest.shard_index,
-            status=status,
-            num_samples=manifest.num_samples,
-            num_failed=sum(c.error is not None for c in manifest.conversations),
-            num_tokens=manifest.num_tokens,
-            bytes=manifest.bytes,
-            seconds=seconds,
-        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,13 +117,15 @@ def apply_reasoning(text: str, reasoning_field: str | None, policy: ReasoningPol
 # The target's tokenizer, shared with the workers through storage
 
 
-def save_tokenizer(storage: Storage, job_id: str, tokenizer: ChatTokenizer) -> None:
+def tokenizer_files(job_id: str, tokenizer: ChatTokenizer) -> dict[str, bytes]:
     """The tokenizer files (chat template included) under {job}/tokenizer/: workers need not mount the model."""
     with tempfile.TemporaryDirectory(prefix="eagle3-tokenizer-") as tmp:
         tokenizer.tokenizer.save_pretrained(tmp)
-        for path in sorted(Path(tmp).rglob("*")):
-            if path.is_file():
-                storage.put(layout.tokenizer_prefix(job_id) + path.relative_to(tmp).as_posix(), path.read_bytes())
+        return {
+            layout.tokenizer_prefix(job_id) + path.relative_to(tmp).as_posix(): path.read_bytes()
+            for path in sorted(Path(tmp).rglob("*"))
+            if path.is_file()
+        }
 
 
 class PromptRenderer:
@@ -232,7 +186,7 @@ class TokenizerCache:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Submit and resume
+# Planning
 
 
 def sampling_params(spec: JobSpec) -> dict[str, Any]:
@@ -257,168 +211,8 @@ def plan_conversation_shards(num_conversations: int, per_shard: int) -> list[ran
     return [range(start, min(start + per_shard, num_conversations)) for start in range(0, num_conversations, per_shard)]
 
 
-def read_conversations(
-    spec: JobSpec, tokenizer: ChatTokenizer, settings: Settings
-) -> tuple[list[ConversationInput], list[RejectedSample]]:
-    """The dataset with the extraction's rules and messages (tokenize() included, so a conversation extraction would
-    refuse is refused here), plus one of its own: preformatted text has no turns to regenerate."""
-    conversations: list[ConversationInput] = []
-    rejected: list[RejectedSample] = []
-    for item in read_dataset(read_dataset_lines(spec.dataset_url, settings)):
-        try:
-            if isinstance(item, InvalidRecord):
-                raise item
-            if item.text is not None:
-                raise InvalidRecord(
-                    item.sample_id, item.line, "text", "preformatted text has no turns to regenerate (use messages)"
-                )
-            tokenizer.tokenize(item, max_length=spec.max_length, length_policy=spec.length_policy)
-        except InvalidRecord as exc:
-            rejected.append(RejectedSample(sample_id=exc.sample_id, line=exc.line, field=exc.field, reason=exc.reason))
-            continue
-        conversations.append(
-            ConversationInput(
-                sample_index=len(conversations),
-                sample_id=item.sample_id,
-                line=item.line,
-                messages=[ChatMessage(role=m.role, content=m.content) for m in item.messages],
-            )
-        )
-    return conversations, rejected
-
-
-def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> JobRecord:
-    """Plan a regenerate job and enqueue its shards. Raises SubmitError before anything is enqueued."""
-    started = time.monotonic()
-    if spec.kind != "regenerate":
-        raise SubmitError(f"job kind {spec.kind!r}: regeneration.submit plans jobs of kind 'regenerate'")
-    check_services(settings, storage, client)
-    model_path = resolve_model(spec, settings)
-    job_id = spec.job_id or new_job_id()
-    if storage.exists(layout.job_json(job_id)):
-        raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
-    if spec.output_url is not None and _exists(spec.output_url, settings):
-        raise SubmitError(f"output {spec.output_url} already exists; the regenerated dataset is never overwritten")
-    try:
-        tokenizer = ChatTokenizer.from_pretrained(model_path)
-    except ConfigurationError as exc:
-        raise SubmitError(str(exc)) from exc
-    model_config = json.loads((model_path / "config.json").read_text())
-    num_layers, hidden_size = model_config["num_hidden_layers"], model_config["hidden_size"]
-    aux_layer_ids = spec.aux_layer_ids or default_aux_layer_ids(num_layers)
-
-    conversations, rejected = read_conversations(spec, tokenizer, settings)
-    if not conversations:
-        raise SubmitError(
-            f"dataset {spec.dataset_url}: no usable conversation ({len(rejected)} rejected, "
-            f"e.g. {first_rejection(rejected)})"
-        )
-    turns_total = sum(m.role == "assistant" for c in conversations for m in c.messages)
-    max_generated = turns_total * spec.max_new_tokens
-    plan = plan_conversation_shards(len(conversations), spec.conversations_per_shard)
-    spec = spec.model_copy(update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": aux_layer_ids})
-    job = JobRecord(
-        job_id=job_id,
-        created_at=utc_now(),
-        spec=spec,
-        model=ModelRecord(
-            path=str(model_path),
-            architecture=(model_config.get("architectures") or ["unknown"])[0],
-            num_hidden_layers=num_layers,
-            hidden_size=hidden_size,
-            vocab_size=tokenizer.vocab_size,
-            template_hash=tokenizer.template_hash,
-        ),
-        aux_layer_ids=aux_layer_ids,
-        hidden_size=hidden_size,
-        bytes_per_token=OUTPUT_BYTES_PER_TOKEN,
-        samples_total=len(conversations),
-        samples_rejected=len(rejected),
-        samples_truncated=0,
-        tokens_total=max_generated,
-        loss_tokens_total=0,
-        shards_total=len(plan),
-        projected_bytes=max_generated * OUTPUT_BYTES_PER_TOKEN,
-        draft_vocab_size=spec.draft_vocab_size,
-        vocab_coverage=0.0,
-        versions={"eagle3": shared.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-        regeneration=RegenerationPlan(
-            assistant_turns_total=turns_total,
-            max_generated_tokens=max_generated,
-            sampling_params=sampling_params(spec),
-            output_key=layout.regenerated_dataset(job_id),
-            output_url=spec.output_url,
-            chained_job_id=layout.chained_job_id(job_id) if spec.then_extract else None,
-            tokenizer_prefix=layout.tokenizer_prefix(job_id),
-        ),
-    )
-
-    save_tokenizer(storage, job_id, tokenizer)
-    storage.put(layout.rejected(job_id), "".join(r.model_dump_json() + "\n" for r in rejected).encode())
-    for shard_index, members in enumerate(plan):
-        shard = RegenerationShardInput(
-            job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members]
-        )
-        storage.put(layout.shard_input(job_id, shard_index), shard.model_dump_json().encode())
-    publish_job(storage, client, job, num_shards=len(plan), enqueue=enqueue)
-    logger.info(
-        "submitted regenerate job=%s conversations=%d rejected=%d turns=%d shards=%d in %.1fs",
-        job_id,
-        len(conversations),
-        len(rejected),
-        turns_total,
-        len(plan),
-        time.monotonic() - started,
-    )
-    return job
-
-
-def load_shard(storage: Storage, job_id: str, shard_index: int) -> RegenerationShardInput:
-    return RegenerationShardInput.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
-
-
-def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> list[int]:
-    """Re-enqueue every shard without a manifest (dead-lettered ones included) after recounting from storage; if
-    every shard is committed but the dataset was never assembled, one shard goes again to assemble it."""
-    job = load_job(storage, job_id)
-    if job.kind != "regenerate":
-        raise ConfigurationError(f"job {job_id} is of kind {job.kind!r}, not 'regenerate'")
-    if not client.exists(progress.job_key(job_id)):
-        progress.register_job(client, job, storage.url)
-    if client.hdel(progress.job_key(job_id), "finalize_error"):
-        client.hdel(progress.job_key(job_id), "finalized")  # assembling or chaining failed: it runs again
-    client.hdel(progress.job_key(job_id), "cancelled")
-    progress.rebuild(client, storage, job)
-    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
-    pending = [k for k in range(job.shards_total) if k not in committed]
-    for shard_index in pending:
-        if storage.exists(layout.dead_letter(job_id, shard_index)):
-            shard = load_shard(storage, job_id, shard_index)
-            progress.forget_dead_letter(client, job_id, shard_index, num_samples=len(shard.conversations), num_tokens=0)
-            storage.delete(layout.dead_letter(job_id, shard_index))
-        enqueue(job_id, shard_index)
-    if not pending and client.hget(progress.job_key(job_id), "finalized") != b"1":
-        enqueue(job_id, job.shards_total - 1)  # committed: the task goes straight to assembling
-    logger.info("resumed regenerate job=%s pending_shards=%d", job_id, len(pending))
-    return pending
-
-
 # ----------------------------------------------------------------------------------------------------------
 # One conversation
-
-
-def check_served_model(job: JobRecord, info: ModelInfo, base_url: str) -> None:
-    expected = {
-        "hidden_size": job.hidden_size,
-        "num_hidden_layers": job.model.num_hidden_layers,
-        "vocab_size": job.model.vocab_size,
-    }
-    served = {name: getattr(info, name) for name in expected}
-    if served != expected:
-        raise ModelMismatch(
-            f"job {job.job_id} was planned for {job.model.path} {expected}, but {base_url} serves {info.model_path} "
-            f"{served}"
-        )
 
 
 def _parse_answer(answer: Any, where: str, renderer: PromptRenderer) -> tuple[str, str | None, int, dict[str, Any]]:
@@ -477,7 +271,7 @@ def regenerate_conversation(
                 )
             params = {**sampling_params(spec), "max_new_tokens": min(spec.max_new_tokens, room)}
             if spec.seed is not None and spec.temperature > 0:
-                params["seed"] = turn_seed(spec.seed, conv.sample_index, index)
+                params["sampling_seed"] = turn_seed(spec.seed, conv.sample_index, index)
             rid = f"{job.job_id}/{conv.sample_index}/{index}/{attempt}"
             answer = inference.generate(input_ids=prompt, sampling_params=params, rid=rid)
             text, reasoning_field, completion_tokens, finish = _parse_answer(answer, where, renderer)
@@ -519,10 +313,6 @@ def output_line(result: ConversationResult) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# One shard
-
-
 def _entry(result: ConversationResult, key: str) -> ConversationEntry:
     return ConversationEntry(
         sample_index=result.sample_index,
@@ -547,133 +337,6 @@ def shard_counters(results: list[ConversationResult]) -> dict[str, int]:
         "conversations_failed": failed,
         "samples_failed": failed,
     }
-
-
-def regenerate_shard(
-    job_id: str,
-    shard_index: int,
-    *,
-    storage: Storage,
-    redis_client: redis.Redis,
-    inference: InferenceClient,
-    worker: str,
-    chain: ChainSubmit | None = None,
-    tokenizers: TokenizerCache | None = None,
-    model_infos: dict[str, ModelInfo] | None = None,
-    concurrency: int = 16,
-    ready_timeout_s: float = 300.0,
-    settings: Settings | None = None,
-) -> RegenerationOutcome:
-    started, started_at = time.monotonic(), utc_now()
-    manifest_key = layout.manifest(job_id, shard_index)
-    if storage.exists(manifest_key):
-        manifest = RegenerationManifest.model_validate_json(storage.get(manifest_key))
-        # A worker that died between commit and count (or while assembling) left work; both steps are idempotent.
-        progress.record_commit(redis_client, manifest)
-        job = load_job(storage, job_id)
-        finalize_if_complete(job, storage=storage, redis_client=redis_client, chain=chain, settings=settings)
-        return RegenerationOutcome.of(manifest, "already_committed")
-    if progress.is_cancelled(redis_client, job_id):
-        return RegenerationOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
-
-    job = load_job(storage, job_id)
-    if job.kind != "regenerate":
-        raise ConfigurationError(f"job {job_id} is of kind {job.kind!r}, not 'regenerate'")
-    model_infos = {} if model_infos is None else model_infos
-    if job_id not in model_infos:
-        # A GPU server answers 503 for minutes while it loads; that is a wait, not a failure.
-        inference.wait_ready(ready_timeout_s)
-        info = inference.model_info()
-        check_served_model(job, info, inference.base_url)
-        model_infos[job_id] = info
-    info = model_infos[job_id]
-    renderer = (tokenizers or TokenizerCache()).get(storage, job)
-    shard = load_shard(storage, job_id, shard_index)
-
-    results: dict[int, ConversationResult] = {}
-    pending: list[ConversationInput] = []
-    for conv in shard.conversations:
-        key = layout.conversation(job_id, conv.sample_index)
-        if storage.exists(key):  # done by an earlier attempt that died before the manifest
-            results[conv.sample_index] = ConversationResult.model_validate_json(storage.get(key))
-        else:
-            pending.append(conv)
-
-    def regenerate_and_write(conv: ConversationInput) -> ConversationResult:
-        result = regenerate_conversation(
-            conv,
-            job=job,
-            renderer=renderer,
-            inference=inference,
-            max_context_length=info.max_context_length,
-            is_cancelled=lambda: progress.is_cancelled(redis_client, job_id),
-        )
-        key = layout.conversation(job_id, conv.sample_index)
-        if not storage.put_if_absent(key, result.model_dump_json().encode()):
-            # A concurrent duplicate delivery wrote it first; its version is the one the manifest must describe.
-            result = ConversationResult.model_validate_json(storage.get(key))
-        return result
-
-    # Longest first (most assistant turns, which run one after another): the shard's tail, where fewer
-    # conversations are left than the server could batch, is then short.
-    pending.sort(key=lambda conv: -sum(m.role == "assistant" for m in conv.messages))
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(pending))), thread_name_prefix="decode") as pool:
-        futures = [pool.submit(regenerate_and_write, conv) for conv in pending]
-        try:
-            for future in as_completed(futures):
-                result = future.result()
-                results[result.sample_index] = result
-        except Cancelled:
-            for future in futures:
-                future.cancel()
-            logger.info("cancelled job=%s shard=%d after %d conversations", job_id, shard_index, len(results))
-            return RegenerationOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
-    decode_s = time.monotonic() - started
-
-    ordered = [results[c.sample_index] for c in shard.conversations]
-    output_key = layout.regenerated_shard(job_id, shard_index)
-    data = "".join(output_line(r) for r in ordered if not r.failed).encode()
-    if not storage.put_if_absent(output_key, data):
-        data = storage.get(output_key)
-    ok = [r for r in ordered if not r.failed]
-    manifest = RegenerationManifest(
-        job_id=job_id,
-        shard_index=shard_index,
-        model=info.model_path,
-        server={"backend": info.backend, "version": info.version, "sglang_version": info.sglang_version},
-        sampling_params=sampling_params(job.spec) | ({"seed": job.spec.seed} if job.spec.seed is not None else {}),
-        reasoning=job.spec.reasoning,
-        output_key=output_key,
-        sha256=hashlib.sha256(data).hexdigest(),
-        conversations=[_entry(r, layout.conversation(job_id, r.sample_index)) for r in ordered],
-        num_samples=len(ok),
-        num_tokens=sum(r.generated_tokens for r in ok),
-        bytes=len(data),
-        counters=shard_counters(ordered),
-        worker=worker,
-        started_at=started_at,
-        committed_at=utc_now(),
-        timings_s={"decode": round(decode_s, 4), "total": round(time.monotonic() - started, 4)},
-    )
-    manifest = progress.commit_manifest(storage, redis_client, manifest)
-    seconds = time.monotonic() - started
-    logger.info(
-        "committed job=%s shard=%d conversations=%d failed=%d generated_tokens=%d in %.2fs (%.0f tokens/s, %d reused)",
-        job_id,
-        shard_index,
-        manifest.num_samples,
-        len(ordered) - len(ok),
-        manifest.num_tokens,
-        seconds,
-        manifest.num_tokens / max(decode_s, 1e-9),
-        len(shard.conversations) - len(pending),
-    )
-    finalize_if_complete(job, storage=storage, redis_client=redis_client, chain=chain, settings=settings)
-    return RegenerationOutcome.of(manifest, "committed", seconds=seconds)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -701,21 +364,7 @@ def failed_conversations(storage: Storage, job_id: str) -> list[FailedConversati
         for c in m.conversations
         if c.error is not None
     ]
-    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
-    for key in storage.list(layout.dead_letter_prefix(job_id)):
-        letter = DeadLetter.model_validate_json(storage.get(key))
-        if letter.shard_index in committed:
-            continue
-        for c in load_shard(storage, job_id, letter.shard_index).conversations:
-            failed.append(
-                FailedConversation(
-                    sample_index=c.sample_index,
-                    sample_id=c.sample_id,
-                    line=c.line,
-                    reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
-                    shard_index=letter.shard_index,
-                )
-            )
+    failed += dead_lettered_samples(Regenerate(), storage, job_id)
     return sorted(failed, key=lambda f: f.sample_index)
 
 
@@ -861,43 +510,206 @@ def submit_through_api(spec: JobSpec, settings: Settings, *, timeout_s: float = 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Failure
+# The kind
 
 
-def record_task_failure(
-    job_id: str,
-    shard_index: int,
-    error: BaseException,
-    *,
-    retries: int,
-    storage: Storage,
-    redis_client: redis.Redis,
-    worker: str,
-) -> DeadLetter | None:
-    """A shard task failed for good. Uncommitted: dead-letter it with the reason (its conversations count as
-    failed; resume re-runs it). Committed: assembling or chaining failed; the job ends completed_with_errors."""
-    reason = f"{type(error).__name__}: {error}"
-    if storage.exists(layout.manifest(job_id, shard_index)):
-        progress.record_finalize_error(redis_client, job_id, reason)
-        logger.error("job=%s: assembling the regenerated dataset failed after %d retries: %s", job_id, retries, reason)
-        return None
-    letter = DeadLetter(
-        job_id=job_id,
-        shard_index=shard_index,
-        error_type=type(error).__name__,
-        reason=str(error),
-        retries=retries,
-        worker=worker,
-    )
-    try:
-        shard = load_shard(storage, job_id, shard_index)
-    except ObjectNotFound:
-        logger.error("job=%s shard=%d failed and has no input to dead-letter: %s", job_id, shard_index, reason)
-        return None
-    storage.put(layout.dead_letter(job_id, shard_index), letter.model_dump_json(indent=1).encode())
-    progress.record_dead_letter(redis_client, letter, num_samples=len(shard.conversations), num_tokens=0)
-    logger.error("dead-lettered job=%s shard=%d after %d retries: %s", job_id, shard_index, retries, reason)
-    return letter
+@dataclass
+class RegenerateState:
+    """Per worker process: the decoding client (more requests in flight than capture, so that the server batches
+    them), the job tokenizers, and how the chained extraction job is submitted."""
+
+    decoding: InferenceClient
+    tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
+    chain: ChainSubmit | None = None
+    settings: Settings | None = None
+
+
+class Regenerate(JobKind[RegenerationShardInput, ConversationInput, ConversationResult, RegenerationManifest]):
+    name = "regenerate"
+    input_type = RegenerationShardInput
+    manifest_type = RegenerationManifest
+
+    def check_spec(self, spec: JobSpec, settings: Settings) -> None:
+        if spec.output_url is not None and _exists(spec.output_url, settings):
+            raise SubmitError(f"output {spec.output_url} already exists; the regenerated dataset is never overwritten")
+
+    def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Conversation:
+        """The extraction's rules and messages (tokenize() included, so a conversation extraction would refuse is
+        refused here), plus one of its own: preformatted text has no turns to regenerate."""
+        if record.text is not None:
+            raise InvalidRecord(
+                record.sample_id, record.line, "text", "preformatted text has no turns to regenerate (use messages)"
+            )
+        target.tokenizer.tokenize(record, max_length=spec.max_length, length_policy=spec.length_policy)
+        return record
+
+    def plan(
+        self, job_id: str, spec: JobSpec, target: Target, accepted: list[Conversation]
+    ) -> JobPlan[RegenerationShardInput]:
+        conversations = [
+            ConversationInput(
+                sample_index=index,
+                sample_id=record.sample_id,
+                line=record.line,
+                messages=[ChatMessage(role=m.role, content=m.content) for m in record.messages],
+            )
+            for index, record in enumerate(accepted)
+        ]
+        turns_total = sum(m.role == "assistant" for c in conversations for m in c.messages)
+        max_generated = turns_total * spec.max_new_tokens
+        shards = [
+            RegenerationShardInput(
+                job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members]
+            )
+            for shard_index, members in enumerate(
+                plan_conversation_shards(len(conversations), spec.conversations_per_shard)
+            )
+        ]
+        return JobPlan(
+            shards=shards,
+            samples_total=len(conversations),
+            tokens_total=max_generated,
+            bytes_per_token=OUTPUT_BYTES_PER_TOKEN,
+            projected_bytes=max_generated * OUTPUT_BYTES_PER_TOKEN,
+            record={
+                "samples_truncated": 0,
+                "loss_tokens_total": 0,
+                "draft_vocab_size": spec.draft_vocab_size,
+                "vocab_coverage": 0.0,
+                "regeneration": RegenerationPlan(
+                    assistant_turns_total=turns_total,
+                    max_generated_tokens=max_generated,
+                    sampling_params=sampling_params(spec),
+                    output_key=layout.regenerated_dataset(job_id),
+                    output_url=spec.output_url,
+                    chained_job_id=layout.chained_job_id(job_id) if spec.then_extract else None,
+                    tokenizer_prefix=layout.tokenizer_prefix(job_id),
+                ),
+            },
+            files=tokenizer_files(job_id, target.tokenizer),
+        )
+
+    def open(self, settings: Settings) -> RegenerateState:
+        decoding = InferenceClient(
+            settings.inference_url,
+            timeout_s=settings.inference_timeout_s,
+            max_concurrency=settings.regenerate_concurrency,
+        )
+        # The producer plans the chained extraction job: it has the model folder, and the plan is its job.
+        return RegenerateState(decoding, chain=lambda spec: submit_through_api(spec, settings), settings=settings)
+
+    def prepare(self, ctx: ShardContext, state: RegenerateState, job: JobRecord) -> ModelInfo:
+        # A GPU server answers 503 for minutes while it loads; that is a wait, not a failure.
+        state.decoding.wait_ready(ctx.settings.inference_ready_timeout_s)
+        info = state.decoding.model_info()
+        check_served_model(job, info, state.decoding.base_url, capture=False)
+        return info
+
+    def items(self, shard: RegenerationShardInput) -> list[ConversationInput]:
+        return shard.conversations
+
+    def item_key(self, job_id: str, item: ConversationInput) -> str:
+        return layout.conversation(job_id, item.sample_index)
+
+    def reuse(self, item: ConversationInput, key: str, data: bytes) -> ConversationResult:
+        return ConversationResult.model_validate_json(data)
+
+    def process(
+        self,
+        ctx: ShardContext,
+        state: RegenerateState,
+        prepared: ModelInfo,
+        job: JobRecord,
+        shard: RegenerationShardInput,
+        pending: list[ConversationInput],
+        done: dict[int, ConversationResult],
+    ) -> RegenerationManifest:
+        started = time.monotonic()
+        storage, info = ctx.storage, prepared
+        renderer = state.tokenizers.get(storage, job)
+        results = dict(done)
+
+        def regenerate_and_write(conv: ConversationInput) -> ConversationResult:
+            result = regenerate_conversation(
+                conv,
+                job=job,
+                renderer=renderer,
+                inference=state.decoding,
+                max_context_length=info.max_context_length,
+                is_cancelled=lambda: progress.is_cancelled(ctx.redis, job.job_id),
+            )
+            key = layout.conversation(job.job_id, conv.sample_index)
+            if not storage.put_if_absent(key, result.model_dump_json().encode()):
+                # A concurrent duplicate delivery wrote it first; its version is the one the manifest must describe.
+                result = ConversationResult.model_validate_json(storage.get(key))
+            return result
+
+        # Longest first (most assistant turns, which run one after another): the shard's tail, where fewer
+        # conversations are left than the server could batch, is then short.
+        pending = sorted(pending, key=lambda conv: -sum(m.role == "assistant" for m in conv.messages))
+        workers = max(1, min(ctx.settings.regenerate_concurrency, len(pending)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="decode") as pool:
+            futures = [pool.submit(regenerate_and_write, conv) for conv in pending]
+            try:
+                for future in as_completed(futures):
+                    result = future.result()
+                    results[result.sample_index] = result
+            except BaseException:  # Cancelled among them: what is written stays for a resume
+                for future in futures:
+                    future.cancel()
+                raise
+        decode_s = time.monotonic() - started
+
+        ordered = [results[c.sample_index] for c in shard.conversations]
+        output_key = layout.regenerated_shard(job.job_id, shard.shard_index)
+        data = "".join(output_line(r) for r in ordered if not r.failed).encode()
+        if not storage.put_if_absent(output_key, data):
+            data = storage.get(output_key)
+        ok = [r for r in ordered if not r.failed]
+        logger.info(
+            "job=%s shard=%d decoded %d conversations (%d failed), %d generated tokens at %.0f tokens/s",
+            job.job_id,
+            shard.shard_index,
+            len(ordered),
+            len(ordered) - len(ok),
+            sum(r.generated_tokens for r in ok),
+            sum(r.generated_tokens for r in ok) / max(decode_s, 1e-9),
+        )
+        return RegenerationManifest(
+            job_id=job.job_id,
+            shard_index=shard.shard_index,
+            model=info.model_path,
+            server={"backend": info.backend, "version": info.version, "sglang_version": info.sglang_version},
+            sampling_params=sampling_params(job.spec) | ({"seed": job.spec.seed} if job.spec.seed is not None else {}),
+            reasoning=job.spec.reasoning,
+            output_key=output_key,
+            sha256=hashlib.sha256(data).hexdigest(),
+            conversations=[_entry(r, layout.conversation(job.job_id, r.sample_index)) for r in ordered],
+            num_samples=len(ok),
+            num_tokens=sum(r.generated_tokens for r in ok),
+            bytes=len(data),
+            counters=shard_counters(ordered),
+            timings_s={"decode": round(decode_s, 4)},
+        )
+
+    def after_commit(self, ctx: ShardContext, state: RegenerateState, job: JobRecord) -> None:
+        finalize_if_complete(job, storage=ctx.storage, redis_client=ctx.redis, chain=state.chain, settings=ctx.settings)
+
+    def after_failure(self, ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> bool:
+        # Committed, so assembling or chaining failed for good: the job ends completed_with_errors, with the reason.
+        progress.record_finalize_error(ctx.redis, job_id, reason)
+        logger.error("job=%s: assembling the regenerated dataset failed: %s", job_id, reason)
+        return True
+
+    def failed(self, storage: Storage, job_id: str) -> list[FailedConversation]:
+        return failed_conversations(storage, job_id)
+
+    def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
+        if client.hdel(progress.job_key(job.job_id), "finalize_error"):
+            client.hdel(progress.job_key(job.job_id), "finalized")  # assembling or chaining failed: it runs again
+        if not pending and client.hget(progress.job_key(job.job_id), "finalized") != b"1":
+            return [job.shards_total - 1]  # committed: the task goes straight to assembling
+        return []
 
 
 def training_job_id(storage: Storage, job_id: str, *, wait_s: float = 0.0, poll_s: float = 5.0) -> str:

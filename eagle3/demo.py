@@ -12,17 +12,18 @@ from typing import Any
 
 import httpx
 
-from services.producer.cli import _check, _exit_on_sigterm, console, progress_table, watch
+from eagle3.api import api_client, check
+from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
+from eagle3.local_stack import LocalStack
 from shared.demo_data import write_demo_dataset
 from shared.errors import Eagle3Error
-from shared.local_stack import LocalStack
 from shared.model_assets import resolve_model_path
 from shared.schemas import Progress as JobProgress
 from shared.settings import Settings
 
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
-    _exit_on_sigterm()
+    exit_on_sigterm()
     demo_dir = settings.home / "demo"
     report_path = Path(args.report) if args.report else demo_dir / "report.json"
     regenerate = args.regenerate or settings.demo_regenerate
@@ -42,7 +43,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
                 "shard_token_budget": args.shard_token_budget,
                 "draft_vocab_size": args.draft_vocab_size,
             }
-            with httpx.Client(base_url=stack.api_url, timeout=600) as api:
+            with api_client(settings, stack.api_url) as api:
                 if regenerate:
                     console.print(
                         f"[bold]3/{steps}[/] regenerating the assistant turns with the target "
@@ -52,12 +53,12 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
                     job_id = regeneration["chained_job_id"]
                     console.print(f"[bold]4/{steps}[/] extracting the regenerated conversations")
                     started = time.monotonic()
-                    job = _check(api.get(f"/v1/jobs/{job_id}"))["job"]
+                    job = check(api.get(f"/v1/jobs/{job_id}"))["job"]
                 else:
                     console.print(f"[bold]3/{steps}[/] submitting and extracting")
                     started = time.monotonic()
-                    job = _check(api.post("/v1/jobs", json=extraction))["job"]
-            p = watch(job["job_id"], settings, alive=stack)
+                    job = check(api.post("/v1/jobs", json=extraction))["job"]
+                p = watch(job["job_id"], api, alive=stack)
             wall_seconds = time.monotonic() - started
     except KeyboardInterrupt:
         console.print(
@@ -96,8 +97,8 @@ def regenerate_demo_data(
         "conversations_per_shard": args.regenerate_shard_size,
         "then_extract": True,
     }
-    job = _check(api.post("/v1/jobs", json=spec))["job"]
-    p = watch(job["job_id"], settings, alive=stack)
+    job = check(api.post("/v1/jobs", json=spec))["job"]
+    p = watch(job["job_id"], api, alive=stack)
     console.print(progress_table(p))
     wall_seconds = time.monotonic() - started
     r = p.regeneration

@@ -1,0 +1,3 @@
+from eagle3.cli import main
+
+main()

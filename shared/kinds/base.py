@@ -1,0 +1,191 @@
+"""What a job kind supplies. Everything else about a job is written once, for every kind:
+
+- submit (shared/jobs.py): services up, model folder, job id, tokenizer, layer ids, the dataset with its rejected
+  lines, budget, job.json, shard inputs, progress counters, one task per shard; resume and cancel;
+- one shard (shared/shards.py): already committed -> cancelled -> load the job -> check the served model once per
+  job -> load the shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest
+  create-only and count it once -> dead letter when it fails for good.
+
+A kind says what a shard input is (`plan`, `input_type`), what processing a shard means (`process`) and what its
+committed output is (`manifest_type`). Adding a kind is one new module in this package and one line in
+`shared/kinds/__init__.py`.
+"""
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+import redis
+from pydantic import BaseModel
+
+from shared.capture_protocol import ModelInfo
+from shared.datasets import Conversation
+from shared.errors import Eagle3Error, ModelMismatch
+from shared.queue import task_name
+from shared.schemas import FailedConversation, JobRecord, JobSpec, ModelRecord
+from shared.settings import Settings
+from shared.shards import ShardContext, dead_lettered_samples
+from shared.storage import Storage
+from shared.tokenization import ChatTokenizer
+
+InputT = TypeVar("InputT", bound=BaseModel)  # one shard's planned input (inputs/shard_{k}.json)
+ItemT = TypeVar("ItemT", bound=BaseModel)  # one element of it: a sample, a conversation
+DoneT = TypeVar("DoneT")  # what an item leaves in storage once done, as the manifest needs it
+ManifestT = TypeVar("ManifestT", bound=BaseModel)  # manifests/shard_{k}.json
+
+
+@dataclass(frozen=True)
+class Target:
+    """The target model as the producer reads it at submit: its folder, config, tokenizer and the layers to capture."""
+
+    path: Path
+    config: dict[str, Any]
+    tokenizer: ChatTokenizer
+    aux_layer_ids: list[int]
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    @classmethod
+    def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
+        from shared.capture_protocol import default_aux_layer_ids
+
+        config = json.loads((path / "config.json").read_text())
+        ids = aux_layer_ids or default_aux_layer_ids(int(config["num_hidden_layers"]))
+        return cls(path=path, config=config, tokenizer=tokenizer, aux_layer_ids=ids)
+
+    def record(self) -> ModelRecord:
+        return ModelRecord(
+            path=str(self.path),
+            architecture=(self.config.get("architectures") or ["unknown"])[0],
+            num_hidden_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            vocab_size=self.tokenizer.vocab_size,
+            template_hash=self.tokenizer.template_hash,
+        )
+
+
+@dataclass
+class JobPlan(Generic[InputT]):
+    """A kind's plan of a job: its shard inputs, the numbers job.json records, and files written beside them."""
+
+    shards: list[InputT]
+    samples_total: int
+    tokens_total: int
+    bytes_per_token: int
+    projected_bytes: int
+    record: dict[str, Any] = field(default_factory=dict)  # further JobRecord fields of this kind
+    files: dict[str, bytes] = field(default_factory=dict)  # storage key -> bytes, written before job.json
+
+
+class Cancelled(Eagle3Error):
+    """The job was cancelled while its shard ran; what is done stays for a resume."""
+
+
+class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
+    name: ClassVar[str]  # JobSpec.kind
+    input_type: ClassVar[type[BaseModel]]
+    manifest_type: ClassVar[type[BaseModel]]
+
+    @property
+    def task_name(self) -> str:
+        return task_name(self.name)
+
+    # ---- submit (the producer) ------------------------------------------------------------------------------
+
+    def check_spec(self, spec: JobSpec, settings: Settings) -> None:
+        """Refuse a spec for reasons of this kind, before the dataset is read (SubmitError)."""
+
+    @abstractmethod
+    def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Any:
+        """One dataset record as this kind plans it; InvalidRecord rejects it with its field and reason."""
+
+    @abstractmethod
+    def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[Any]) -> JobPlan[InputT]:
+        """The shards of a job and what its job.json records."""
+
+    # ---- one shard (a worker) ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def open(self, settings: Settings) -> Any:
+        """Per worker process: this kind's clients and caches (built lazily, after the pool forks)."""
+
+    @abstractmethod
+    def prepare(self, ctx: ShardContext, state: Any, job: JobRecord) -> Any:
+        """Once per job and process: wait for the server and check that it serves the job's model."""
+
+    @abstractmethod
+    def items(self, shard: InputT) -> list[ItemT]: ...
+
+    @abstractmethod
+    def item_key(self, job_id: str, item: ItemT) -> str:
+        """Where an item's result is written create-only, so that a retried shard does not do it again."""
+
+    @abstractmethod
+    def reuse(self, item: ItemT, key: str, data: bytes) -> DoneT:
+        """What an earlier attempt left at item_key, as process() would have returned it."""
+
+    @abstractmethod
+    def process(
+        self,
+        ctx: ShardContext,
+        state: Any,
+        prepared: Any,
+        job: JobRecord,
+        shard: InputT,
+        pending: list[ItemT],
+        done: dict[int, DoneT],
+    ) -> ManifestT:
+        """Do the pending items (writing each result create-only), then describe the whole shard; the frame commits
+        the manifest. May raise Cancelled."""
+
+    def after_commit(self, ctx: ShardContext, state: Any, job: JobRecord) -> None:
+        """After a shard of this job is committed (by this delivery or an earlier one)."""
+
+    def after_failure(self, ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> bool:
+        """A task failed for good after its shard was committed (a step of after_commit); True if handled."""
+        return False
+
+    def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
+        """Shards to enqueue again besides the uncommitted ones (e.g. to redo after_commit)."""
+        return []
+
+    def failed(self, storage: Storage, job_id: str) -> list[FailedConversation]:
+        """Every sample of the job that will not be in its output, with the reason."""
+        return sorted(dead_lettered_samples(self, storage, job_id), key=lambda f: f.sample_index)
+
+    def shard_size(self, shard: InputT) -> tuple[int, int]:
+        """(samples, tokens) a dead-lettered shard takes from the job's progress."""
+        items = self.items(shard)
+        return len(items), 0
+
+
+def check_served_model(job: JobRecord, info: ModelInfo, base_url: str, *, capture: bool) -> None:
+    """The server must serve the model the job was planned for; otherwise every tensor or token would be wrong."""
+    expected = {
+        "hidden_size": job.hidden_size,
+        "num_hidden_layers": job.model.num_hidden_layers,
+        "vocab_size": job.model.vocab_size,
+    }
+    served = {name: getattr(info, name) for name in expected}
+    if served != expected:
+        raise ModelMismatch(
+            f"job {job.job_id} was planned for {job.model.path} {expected}, "
+            f"but {base_url} serves {info.model_path} {served}"
+        )
+    if (
+        capture
+        and info.capture_aux_layer_ids is not None
+        and sorted(info.capture_aux_layer_ids) != sorted(job.aux_layer_ids)
+    ):
+        raise ModelMismatch(
+            f"job {job.job_id} captures layers {job.aux_layer_ids}, but {base_url} was launched to capture "
+            f"{info.capture_aux_layer_ids} (EAGLE3_AUX_LAYER_IDS of the SGLang container)"
+        )

@@ -1,0 +1,192 @@
+"""One shard of a job of any kind, on a worker: the lifecycle every kind shares.
+
+already committed -> cancelled -> load the job -> check the served model (once per job and process) -> load the
+shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest create-only and count
+it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason.
+
+Every step is idempotent, so a redelivered or duplicated task never produces a second or a torn shard.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import redis
+from pydantic import BaseModel
+
+from shared import layout, progress
+from shared.errors import JobNotFound
+from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
+from shared.settings import Settings
+from shared.storage import ObjectNotFound, Storage
+
+if TYPE_CHECKING:
+    from shared.kinds.base import JobKind
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ShardContext:
+    """What a worker process lends every shard it runs: clients, its name, settings, per-kind state."""
+
+    storage: Storage
+    redis: redis.Redis
+    settings: Settings
+    worker: str
+    states: dict[str, Any] = field(default_factory=dict)  # kind name -> what its open() returned
+    prepared: dict[str, Any] = field(default_factory=dict)  # job id -> what its kind's prepare() returned
+
+    def state(self, kind: "JobKind") -> Any:
+        if kind.name not in self.states:
+            self.states[kind.name] = kind.open(self.settings)
+        return self.states[kind.name]
+
+
+class ShardOutcome(BaseModel):
+    """What a shard task returns (and logs): the committed shard's size, or why nothing was done."""
+
+    job_id: str
+    shard_index: int
+    status: Literal["committed", "already_committed", "cancelled"]
+    num_samples: int = 0
+    num_tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+def load_job(storage: Storage, job_id: str) -> JobRecord:
+    try:
+        return JobRecord.model_validate_json(storage.get(layout.job_json(job_id)))
+    except ObjectNotFound as exc:
+        raise JobNotFound(job_id) from exc
+
+
+def load_shard_input(storage: Storage, job: JobRecord, shard_index: int) -> BaseModel:
+    """The planned input of one shard, as its kind's model."""
+    from shared.kinds import kind_of
+
+    data = storage.get(layout.shard_input(job.job_id, shard_index))
+    return kind_of(job.kind).input_type.model_validate_json(data)
+
+
+def _outcome(manifest: Any, status: Literal["committed", "already_committed"], seconds: float = 0.0) -> ShardOutcome:
+    return ShardOutcome(
+        job_id=manifest.job_id,
+        shard_index=manifest.shard_index,
+        status=status,
+        num_samples=manifest.num_samples,
+        num_tokens=manifest.num_tokens,
+        bytes=manifest.bytes,
+        seconds=seconds,
+    )
+
+
+def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
+    from shared.kinds.base import Cancelled
+
+    started, started_at = time.monotonic(), utc_now()
+    storage, client = ctx.storage, ctx.redis
+    state = ctx.state(kind)
+    manifest_key = layout.manifest(job_id, shard_index)
+    if storage.exists(manifest_key):
+        manifest = kind.manifest_type.model_validate_json(storage.get(manifest_key))
+        # A worker that died between commit and count (or in the after-commit step) left work; both are idempotent.
+        progress.record_commit(client, manifest)
+        kind.after_commit(ctx, state, load_job(storage, job_id))
+        return _outcome(manifest, "already_committed")
+    if progress.is_cancelled(client, job_id):
+        return ShardOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
+
+    job = load_job(storage, job_id)
+    if job.kind != kind.name:
+        raise JobNotFound(f"{job_id} is a job of kind {job.kind!r}, not {kind.name!r}")
+    if job_id not in ctx.prepared:
+        ctx.prepared[job_id] = kind.prepare(ctx, state, job)
+    shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+
+    items = kind.items(shard)
+    done: dict[int, Any] = {}
+    pending = []
+    for item in items:
+        key = kind.item_key(job_id, item)
+        if storage.exists(key):  # written by an earlier attempt that died before the manifest
+            done[item.sample_index] = kind.reuse(item, key, storage.get(key))
+        else:
+            pending.append(item)
+    try:
+        manifest = kind.process(ctx, state, ctx.prepared[job_id], job, shard, pending, done)
+    except Cancelled:
+        logger.info("cancelled job=%s shard=%d", job_id, shard_index)
+        return ShardOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
+    manifest.worker, manifest.started_at, manifest.committed_at = ctx.worker, started_at, utc_now()
+    manifest.timings_s["total"] = round(time.monotonic() - started, 4)
+    manifest = progress.commit_manifest(storage, client, manifest)
+    seconds = time.monotonic() - started
+    logger.info(
+        "committed %s job=%s shard=%d samples=%d tokens=%d bytes=%d in %.2fs (%d reused)",
+        kind.name,
+        job_id,
+        shard_index,
+        manifest.num_samples,
+        manifest.num_tokens,
+        manifest.bytes,
+        seconds,
+        len(items) - len(pending),
+    )
+    kind.after_commit(ctx, state, job)
+    return _outcome(manifest, "committed", seconds)
+
+
+def dead_lettered_samples(kind: "JobKind", storage: Storage, job_id: str) -> list[FailedConversation]:
+    """Every sample of every shard that is dead-lettered and not committed since, with the shard's reason."""
+    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
+    failed = []
+    for key in storage.list(layout.dead_letter_prefix(job_id)):
+        letter = DeadLetter.model_validate_json(storage.get(key))
+        if letter.shard_index in committed:
+            continue
+        shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, letter.shard_index)))
+        failed += [
+            FailedConversation(
+                sample_index=item.sample_index,
+                sample_id=item.sample_id,
+                line=item.line,
+                reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
+                shard_index=letter.shard_index,
+            )
+            for item in kind.items(shard)
+        ]
+    return failed
+
+
+def dead_letter(
+    kind: "JobKind", job_id: str, shard_index: int, error: BaseException, *, retries: int, ctx: ShardContext
+) -> DeadLetter | None:
+    """A shard task failed for good. Uncommitted: record the shard with its reason (its samples count as failed;
+    resume runs it again), also when its input cannot be read. Committed: the kind's after-commit step failed."""
+    storage, client = ctx.storage, ctx.redis
+    reason = f"{type(error).__name__}: {error}"
+    if storage.exists(layout.manifest(job_id, shard_index)):
+        if not kind.after_failure(ctx, job_id, shard_index, reason):
+            logger.error("job=%s shard=%d failed after its commit: %s", job_id, shard_index, reason)
+        return None
+    letter = DeadLetter(
+        job_id=job_id,
+        shard_index=shard_index,
+        error_type=type(error).__name__,
+        reason=str(error),
+        retries=retries,
+        worker=ctx.worker,
+    )
+    try:
+        shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+        samples, tokens = kind.shard_size(shard)
+    except ObjectNotFound:
+        samples, tokens = 0, 0  # the letter still says why; progress cannot count what was never planned
+        logger.error("job=%s shard=%d has no input in %s", job_id, shard_index, storage.url)
+    storage.put(layout.dead_letter(job_id, shard_index), letter.model_dump_json(indent=1).encode())
+    progress.record_dead_letter(client, letter, num_samples=samples, num_tokens=tokens)
+    logger.error("dead-lettered job=%s shard=%d after %d retries: %s", job_id, shard_index, retries, reason)
+    return letter
