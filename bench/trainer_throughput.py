@@ -9,6 +9,7 @@ Shapes:
 - small: a small CPU shape for a quick look.
 
     python -m bench.trainer_throughput [--shapes smollm2-135m small] [--steps 5] --out result.json
+    python -m bench.trainer_throughput --shapes smollm2-135m --draft-vocab-sizes 8192 2048 --out result.json
 """
 
 import argparse
@@ -16,7 +17,7 @@ import json
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -136,6 +137,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument(
+        "--draft-vocab-sizes", type=int, nargs="+", help="measure each shape at these draft vocabularies instead"
+    )
     parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -146,16 +150,17 @@ def main() -> None:
     shapes = args.shapes or (["llama3-8b"] if use_cuda else ["smollm2-135m", "small"])
     results = []
     for name in shapes:
-        shape = SHAPES[name]
-        for batch_size, seq_len in shape.batches:
-            measured = measure(shape, batch_size, seq_len, device=device, warmup=args.warmup, steps=args.steps)
-            result = {"shape": name, **measured}
-            results.append(result)
-            print(
-                f"{name:14s} {batch_size}x{seq_len:<5d} step {result['step_ms']:9.1f} ms  "
-                f"{result['tokens_per_s']:10.0f} tokens/s  peak {result['peak_gpu_memory_gib']} GiB",
-                flush=True,
-            )
+        for draft_vocab_size in args.draft_vocab_sizes or [SHAPES[name].draft_vocab_size]:
+            shape = replace(SHAPES[name], draft_vocab_size=draft_vocab_size)
+            for batch_size, seq_len in shape.batches:
+                measured = measure(shape, batch_size, seq_len, device=device, warmup=args.warmup, steps=args.steps)
+                result = {"shape": name, "draft_vocab_size": draft_vocab_size, **measured}
+                results.append(result)
+                print(
+                    f"{name:14s} draft {draft_vocab_size:6d} {batch_size}x{seq_len:<5d} step {result['step_ms']:9.1f} "
+                    f"ms  {result['tokens_per_s']:10.0f} tokens/s  peak {result['peak_gpu_memory_gib']} GiB",
+                    flush=True,
+                )
     report = {
         "device": torch.cuda.get_device_name(device) if use_cuda else f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__,

@@ -1,8 +1,9 @@
 """`eagle3 demo`: the whole pipeline on this machine with SmolLM2 and ~200 real conversations.
 
-With `--regenerate` (or EAGLE3_DEMO_REGENERATE=1) the target first rewrites every assistant turn of the demo
-conversations (a regenerate job chained to the extraction job, docs/regeneration.md), so the drafter trains on
-the target's own answers."""
+By default the target first rewrites every assistant turn of the demo conversations (a regenerate job chained to
+the extraction job, docs/regeneration.md), so the drafter trains on the target's own answers; `--no-regenerate`
+(or EAGLE3_DEMO_REGENERATE=0) extracts the original conversations. Training gets what the data steps left of
+`--time-budget`, less a reserve for evaluation, unless `--train-seconds` fixes it."""
 
 import argparse
 import json
@@ -14,20 +15,30 @@ import httpx
 
 from eagle3.api import api_client, check
 from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
-from eagle3.local_stack import LocalStack
+from eagle3.local_stack import LocalStack, free_port
 from shared.demo_data import write_demo_dataset
 from shared.errors import Eagle3Error
 from shared.model_assets import resolve_model_path
 from shared.schemas import Progress as JobProgress
 from shared.settings import Settings
 
+# Held back from the time budget for the held-out and measured evaluation of both drafters and the export.
+EVALUATION_RESERVE_S = 150.0
+MIN_TRAIN_SECONDS = 60.0
+
 
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     exit_on_sigterm()
+    demo_started = time.monotonic()
     demo_dir = settings.home / "demo"
     report_path = Path(args.report) if args.report else demo_dir / "report.json"
-    regenerate = args.regenerate or settings.demo_regenerate
-    steps = (6 if args.train_seconds > 0 else 4) + regenerate
+    regenerate = settings.demo_regenerate if args.regenerate is None else args.regenerate
+    train = args.train_seconds is None or args.train_seconds > 0
+    steps = (6 if train else 4) + regenerate
+    if "redis_url" not in settings.model_fields_set:
+        # The demo's own Redis on a free port: a Redis already on 6379 may carry another stack's workers, which
+        # would take this demo's tasks from the shared queue.
+        settings = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
     console.print(f"[bold]1/{steps}[/] target model and data")
     model = resolve_model_path(args.model).resolve()
     dataset = write_demo_dataset(demo_dir / "conversations.jsonl", num_conversations=args.conversations)
@@ -74,9 +85,14 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     report = extraction_report(p, job, settings, model, wall_seconds, args.workers)
     if regenerate:
         report["regeneration"] = regeneration
-    if args.train_seconds > 0:
-        report |= train_evaluate_export(p.job_id, settings, args, demo_dir, steps, first_step=4 + regenerate)
+    if train:
+        left = args.time_budget - (time.monotonic() - demo_started) - EVALUATION_RESERVE_S
+        train_seconds = args.train_seconds if args.train_seconds is not None else max(MIN_TRAIN_SECONDS, left)
+        report |= train_evaluate_export(
+            p.job_id, settings, args, demo_dir, steps, train_seconds=train_seconds, first_step=4 + regenerate
+        )
 
+    report["demo_wall_seconds"] = round(time.monotonic() - demo_started, 1)
     console.print(f"[bold]{steps}/{steps}[/] summary")
     console.print(json.dumps({k: v for k, v in report.items() if k != "heldout"}, indent=2))
     report_path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +169,14 @@ def extraction_report(
 
 
 def train_evaluate_export(
-    job_id: str, settings: Settings, args: argparse.Namespace, demo_dir: Path, steps: int, *, first_step: int = 4
+    job_id: str,
+    settings: Settings,
+    args: argparse.Namespace,
+    demo_dir: Path,
+    steps: int,
+    *,
+    train_seconds: float,
+    first_step: int = 4,
 ) -> dict[str, Any]:
     """A bounded CPU training run on the committed shards, then held-out and measured acceptance, then export."""
     from services.trainer.config import TrainConfig
@@ -161,11 +184,11 @@ def train_evaluate_export(
     from services.trainer.export import export_checkpoint
     from services.trainer.train import train
 
-    console.print(f"[bold]{first_step}/{steps}[/] training the drafter for {args.train_seconds:.0f} s")
+    console.print(f"[bold]{first_step}/{steps}[/] training the drafter for {train_seconds:.0f} s")
     config = TrainConfig(
         job_id=job_id,
         run_name="demo",
-        max_seconds=args.train_seconds,
+        max_seconds=train_seconds,
         epochs=1000,  # the time budget ends the run
         schedule_steps=args.train_schedule_steps,
         batch_tokens=args.train_batch_tokens,
@@ -184,6 +207,7 @@ def train_evaluate_export(
     )
     export_dir = export_checkpoint(summary["checkpoint_key"], demo_dir / "drafter-sglang", settings=settings)
     return {
+        "train_steps": summary["steps"],
         "train_tokens": summary["train_tokens"],
         "train_seconds": summary["train_seconds"],
         "checkpoint": summary["checkpoint_key"],
@@ -206,9 +230,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--shard-token-budget", type=int, default=2048, help="small shards: a visibly moving progress bar")
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="a small draft vocabulary trains fast on CPU")
-    p.add_argument("--train-seconds", type=float, default=240, help="CPU training budget; 0 skips training")
-    p.add_argument("--train-schedule-steps", type=int, default=80, help="LR schedule length (cosine decay)")
+    p.add_argument("--draft-vocab-size", type=int, default=2048, help="a small draft vocabulary trains fast on CPU")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=900,
+        help="seconds for the whole demo: training gets what the data steps left, less a reserve for evaluation",
+    )
+    p.add_argument("--train-seconds", type=float, help="fixed CPU training budget instead; 0 skips training")
+    p.add_argument(
+        "--train-schedule-steps",
+        type=int,
+        default=250,
+        help="LR schedule length (cosine decay): about the steps the budget allows a 2-core machine",
+    )
     p.add_argument("--train-batch-tokens", type=int, default=1024, help="small batches: more steps in the budget")
     p.add_argument("--train-lr", type=float, default=1e-3)
     p.add_argument("--eval-prompts", type=int, default=8)
@@ -216,8 +251,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", help="default: $EAGLE3_HOME/demo/report.json")
     p.add_argument(
         "--regenerate",
-        action="store_true",
-        help="rewrite the assistant turns with the target first (also EAGLE3_DEMO_REGENERATE=1)",
+        action=argparse.BooleanOptionalAction,
+        help="rewrite the assistant turns with the target first (default; EAGLE3_DEMO_REGENERATE=0 turns it off)",
     )
     p.add_argument("--regenerate-max-new-tokens", type=int, default=64, help="per regenerated turn")
     p.add_argument("--regenerate-shard-size", type=int, default=8, help="conversations per regeneration shard")

@@ -78,7 +78,7 @@ class Settings(BaseSettings):
     model_path: Path | None = None
     progress_window_s: float = 60.0
     demo_regenerate: bool = Field(
-        default=False, description="`eagle3 demo` regenerates the demo conversations with the target first"
+        default=True, description="`eagle3 demo` regenerates the demo conversations with the target first"
     )
 
     @model_validator(mode="after")

@@ -15,6 +15,17 @@ pytest_plugins = [
 ]
 
 
+# A test that asks for one of these starts an inference server, a whole stack or the real model: it is slow
+# (`make test-fast` leaves it out) whatever its module says.
+SERVER_FIXTURES = {"reference_server_url", "server", "extracted_job", "smollm2_dir", "deployment"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A random 8-layer Llama (hidden 64) with a ChatML tokenizer; default aux layer ids [1, 3, 4]."""

@@ -28,9 +28,7 @@ import pytest
 from shared.capture_protocol import ModelInfo
 from shared.inference_client import InferenceClient
 from tests.conformance.hf_reference import HFReference
-from tests.fixtures.reference_server import reference_server_url, reference_shm_dir, run_reference_server
-
-__all__ = ["reference_server_url", "reference_shm_dir"]  # fixtures, used through request.getfixturevalue
+from tests.fixtures.reference_server import run_reference_server
 
 REQUEST_TIMEOUT_S = 120.0
 

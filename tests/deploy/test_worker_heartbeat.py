@@ -87,6 +87,7 @@ def worker(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         log.close()
 
 
+@pytest.mark.slow  # a real Celery worker process
 def test_probe_fails_while_a_connected_worker_stops_consuming(worker: tuple[str, Path], redis_url: str) -> None:
     name, path = worker
     control = Celery(broker=redis_url)

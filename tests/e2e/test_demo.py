@@ -9,13 +9,15 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from eagle3.demo import MIN_TRAIN_SECONDS
 from tests.fixtures.processes import wait_until
 
 pytestmark = pytest.mark.slow
 
 TRAINER_FIELDS = {
-    "train_tokens", "train_seconds", "acc_per_position", "simulated_acceptance_length",
+    "train_steps", "train_tokens", "train_seconds", "acc_per_position", "simulated_acceptance_length",
     "measured_acceptance_length", "untrained_measured_acceptance_length", "export_dir",
 }  # fmt: skip
 REPORT_FIELDS = {
@@ -41,11 +43,14 @@ def demo_env(home: Path, redis_url: str) -> dict[str, str]:
         "EAGLE3_HOME": str(home),
         "EAGLE3_REDIS_URL": redis_url,
         "EAGLE3_STORAGE_URL": (home / "storage").as_uri(),
+        "EAGLE3_DEMO_REGENERATE": "0",  # the original conversations: regeneration has its own test below
         "PYTHONUNBUFFERED": "1",
     }
 
 
-def demo_argv(model: Path, *, train_seconds: float = 0) -> list[str]:
+def demo_argv(model: Path, *, train_seconds: float | None = 0) -> list[str]:
+    """train_seconds None: the default, training for what is left of the time budget (1 s here, so the minimum)."""
+    training = ["--time-budget", "1"] if train_seconds is None else ["--train-seconds", str(train_seconds)]
     return [
         sys.executable,
         "-m",
@@ -57,8 +62,7 @@ def demo_argv(model: Path, *, train_seconds: float = 0) -> list[str]:
         "24",
         "--shard-token-budget",
         "600",
-        "--train-seconds",
-        str(train_seconds),
+        *training,
         "--eval-prompts",
         "2",
         "--eval-max-new-tokens",
@@ -83,7 +87,7 @@ def processes_with_home(home: Path) -> list[int]:
 def test_demo_writes_a_report_and_runs_twice(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
     env = demo_env(tmp_path, redis_url)
     reports = []
-    for train_seconds in (15, 0):  # the second run skips training, to keep the suite short
+    for train_seconds in (None, 0):  # the second run skips training, to keep the suite short
         argv = demo_argv(tiny_model_dir, train_seconds=train_seconds)
         result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -100,7 +104,10 @@ def test_demo_writes_a_report_and_runs_twice(tmp_path: Path, tiny_model_dir: Pat
     assert len(list((job_dir / "manifests").iterdir())) == first["shards_committed"]
     assert processes_with_home(tmp_path) == []
     assert set(first) >= TRAINER_FIELDS and not TRAINER_FIELDS & set(second)
-    assert first["train_tokens"] > 0 and first["train_seconds"] > 0
+    assert first["train_tokens"] > 0 and first["train_steps"] > 0
+    # The budget was spent before training started, so training got the demo's minimum, and the wall time covers it.
+    assert first["train_seconds"] >= 0.9 * MIN_TRAIN_SECONDS
+    assert first["demo_wall_seconds"] > first["train_seconds"] and second["demo_wall_seconds"] > 0
     assert len(first["acc_per_position"]) == 7 and all(0 <= a <= 1 for a in first["acc_per_position"])
     assert first["measured_acceptance_length"] >= 1 and first["untrained_measured_acceptance_length"] >= 1
     assert first["matches_greedy"]
@@ -129,10 +136,15 @@ def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path, tiny_model_
     assert "every process of the stack was stopped" in (tmp_path / "demo.log").read_text()
 
 
-def test_demo_regenerates_the_conversations_first_when_asked(
+def test_demo_regenerates_the_conversations_first_by_default_with_its_own_redis(
     tmp_path: Path, tiny_model_dir: Path, redis_url: str
 ) -> None:
-    env = {**demo_env(tmp_path, redis_url), "EAGLE3_DEMO_REGENERATE": "1"}  # the documented switch
+    # As a user runs it: no EAGLE3_DEMO_REGENERATE, and no EAGLE3_REDIS_URL although a Redis (the fixture's) runs.
+    env = {
+        k: v
+        for k, v in demo_env(tmp_path, redis_url).items()
+        if k not in ("EAGLE3_DEMO_REGENERATE", "EAGLE3_REDIS_URL")
+    }
     argv = [*demo_argv(tiny_model_dir), "--regenerate-max-new-tokens", "8", "--regenerate-shard-size", "6"]
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -143,4 +155,6 @@ def test_demo_regenerates_the_conversations_first_when_asked(
     assert regenerated["conversations_written"] + regenerated["conversations_failed"] == 24
     assert report["samples_committed"] == report["samples_total"] == regenerated["conversations_written"] > 0
     assert regenerated["generated_tokens"] > 0 and regenerated["turns"] >= regenerated["conversations_written"]
+    assert "redis" in {path.name for path in (tmp_path / "demo" / "logs").iterdir()}  # it started its own
+    assert redis.Redis.from_url(redis_url).keys(f"*{regenerated['job_id']}*") == []  # and left the other alone
     assert processes_with_home(tmp_path) == []

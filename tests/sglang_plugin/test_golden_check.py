@@ -6,9 +6,6 @@ import golden_check
 import torch
 
 from shared.capture_protocol import CapturedStates
-from tests.fixtures.reference_server import reference_server_url, reference_shm_dir
-
-__all__ = ["reference_server_url", "reference_shm_dir"]  # session fixtures for this module
 
 L, H, N = 6, 4, 6
 
@@ -36,7 +33,9 @@ def test_the_right_layers_pass() -> None:
 
 def test_an_off_by_one_layer_fails_even_when_the_layers_are_close() -> None:
     layers, final = references(2)
-    layers[3] = layers[2] + 0.001 * torch.randn(L, H)  # neighbours within 0.1%, like a deep model's middle layers
+    # Neighbours about 1% apart, like SmolLM2's middle layers past the first token (at the first, 0.2%: less than
+    # bf16 rounding, which is why compare() judges the nearest layer without position 0).
+    layers[3] = layers[2] + 0.01 * torch.randn(L, H, generator=torch.Generator().manual_seed(7))
     captured = capture_of(layers, final, [1, 3, 4])  # the server captured layer 3 where 2 was asked for
 
     checks = golden_check.compare([captured], [(layers, final)], [1, 2, 4], aux_tol=0.05)
@@ -64,3 +63,19 @@ def test_golden_check_fails_for_layers_the_model_does_not_have(reference_server_
     )
 
     assert status == 2  # the server refuses the request: the check cannot run
+
+
+def test_the_first_position_does_not_decide_the_nearest_layer() -> None:
+    layers, final = references(4)
+    # An attention sink: a huge first-token state that layers 1 and 2 share up to less than bf16 rounding, so an exact
+    # bf16 capture of layer 2 is nearer layer 1 over all rows; the other positions tell the layers apart.
+    layers[2][0] = 1e4 * torch.randn(H, generator=torch.Generator().manual_seed(5))
+    layers[1][0] = layers[2][0].to(torch.bfloat16).float()
+    captured = capture_of(layers, final, [1, 2, 4])
+    width = H
+    whole = [golden_check.relative_error(captured.aux_hidden_state[:, width : 2 * width], layer) for layer in layers]
+    assert min(range(len(whole)), key=whole.__getitem__) == 1  # what judging every row would conclude
+
+    checks = golden_check.compare([captured], [(layers, final)], [1, 2, 4])
+
+    assert [c.ok for c in checks] == [True, True, True, True]

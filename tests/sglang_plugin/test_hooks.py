@@ -5,6 +5,7 @@ pin the hooks' contract (arguments, return values, what they leave on `Req`); wh
 with such objects is what the GPU golden check is for.
 """
 
+import asyncio
 import dataclasses
 import sys
 import types
@@ -17,6 +18,7 @@ import torch
 from eagle3_sglang_plugin import hooks
 from eagle3_sglang_plugin.capture import CAPTURE_META_KEY, CaptureTicket
 from eagle3_sglang_plugin.config import PluginConfig
+from eagle3_sglang_plugin.http import wait_until_written
 
 from shared.capture_protocol import read_capture_file
 
@@ -139,6 +141,8 @@ def test_a_mixed_batch_writes_captures_and_leaves_plain_requests_to_sglang(sglan
 
     assert end == 9  # the same running offset as the stock walk
     assert [call["req"].rid for call in stock.calls] == ["plain"]
+    # The writer threads write off the scheduler's thread; the HTTP side waits for the files the same way.
+    asyncio.run(wait_until_written(shm_dir, ["a.safetensors", "b.safetensors"], timeout_s=30))
     aux_b, final_b = read_capture_file(shm_dir / "b.safetensors")
     assert torch.equal(aux_b, logits_output.hidden_states[5:9])
     assert torch.equal(final_b, logits_output.last_hidden_states[5:9])

@@ -331,6 +331,7 @@ def test_ttt_unroll_is_the_same_with_either_attention_implementation() -> None:
         torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile takes most of a minute on 2 cores
 def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps() -> None:
     # backend="aot_eager" traces the graphs (and the breaks around `attend`) without a C++ or GPU compiler.
     torch.manual_seed(0)
