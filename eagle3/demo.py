@@ -182,7 +182,10 @@ def train_evaluate_export(
     first_step: int = 4,
 ) -> dict[str, Any]:
     """A bounded CPU training run on the committed shards, then held-out and measured acceptance, then export."""
-    from services.trainer.train import TrainConfig, evaluate_checkpoint, export_checkpoint, train
+    from services.trainer.config import TrainConfig
+    from services.trainer.evaluate import evaluate_checkpoint
+    from services.trainer.export import export_checkpoint
+    from services.trainer.train import train
 
     console.print(f"[bold]{first_step}/{steps}[/] training the drafter for {train_seconds:.0f} s")
     config = TrainConfig(

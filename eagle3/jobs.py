@@ -120,7 +120,15 @@ def watch(job_id: str, api: httpx.Client, *, interval_s: float = 0.5, alive: Loc
 
 
 # The job commands' options are JobSpec's fields (type, choices and help from the schema), so they cannot drift.
-EXTRACTION_OPTIONS = ("model_path", "job_id", "max_length", "length_policy", "draft_vocab_size", "shard_token_budget")
+EXTRACTION_OPTIONS = (
+    "model_path",
+    "job_id",
+    "max_length",
+    "length_policy",
+    "draft_vocab_size",
+    "shard_token_budget",
+    "storage_dtype",
+)
 REGENERATION_OPTIONS = (
     "max_new_tokens",
     "temperature",

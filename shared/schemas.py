@@ -6,11 +6,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from shared.access import JOB_ID_PATTERN
+from shared.provenance import Provenance
 
 LengthPolicy = Literal["truncate", "reject"]
 JobState = Literal["queued", "running", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
 ReasoningPolicy = Literal["keep", "drop"]
+StorageDtype = Literal["bfloat16", "fp8_e4m3"]  # hidden states at rest: shared/shard_format.py
 
 
 def utc_now() -> str:
@@ -30,6 +32,10 @@ class JobSpec(BaseModel):
     draft_vocab_size: int = Field(default=32000, ge=1, description="the drafter's vocabulary: the most frequent tokens")
     shard_token_budget: int = Field(default=16384, ge=1, description="prompt tokens per shard (one Celery task)")
     aux_layer_ids: list[int] | None = Field(default=None, min_length=3, max_length=3)
+    storage_dtype: StorageDtype = Field(
+        default="bfloat16",
+        description="hidden states at rest: bfloat16 (SpecForge reads it) or fp8_e4m3 (about half the bytes)",
+    )
 
     # Regeneration (kind "regenerate", docs/regeneration.md): the assistant turns are rewritten by the target
     # itself. The extraction fields above then apply to the chained extraction job (then_extract).
@@ -106,6 +112,7 @@ class JobRecord(BaseModel):
     vocab_coverage: float
     versions: dict[str, str]
     regeneration: RegenerationPlan | None = None  # jobs of kind "regenerate" only
+    provenance: Provenance | None = None  # what makes its hidden states comparable (shared/provenance.py)
 
     @property
     def kind(self) -> JobKind:

@@ -1,10 +1,22 @@
 """The per-sample hidden-state file: SpecForge's offline record, so its trainer can read ours.
 
-A `torch.save` dict, true length L, no padding:
+A `torch.save` dict, true length L, no padding. Two storage dtypes, chosen per job (`JobSpec.storage_dtype`):
+
+bfloat16 (the default; SpecForge reads it as is):
     input_ids         int64 [L]
     loss_mask         int64 [L]
     aux_hidden_state  bf16  [1, L, 3H]   three aux layers concatenated, low to high
     hidden_state      bf16  [1, L, H]    post-final-norm state (the input to lm_head)
+
+fp8_e4m3 (about half the bytes; only this project's trainer decodes it):
+    input_ids               int64          [L]
+    loss_mask               int64          [L]
+    aux_hidden_state        float8_e4m3fn  [1, L, 3H]   value / scale, rounded to e4m3
+    aux_hidden_state_scale  float32        [1, L, 3]    one scale per token and aux layer
+    hidden_state            float8_e4m3fn  [1, L, H]
+    hidden_state_scale      float32        [1, L, 1]    one scale per token
+where scale = max |value| over that token's layer / 448 (e4m3's largest finite value), so every token uses the
+whole fp8 range. `decode_sample` returns bf16 tensors either way: value = float(fp8) * scale, rounded to bf16.
 """
 
 import io
@@ -13,8 +25,13 @@ import torch
 
 from shared.capture_protocol import NUM_AUX_LAYERS
 from shared.errors import Eagle3Error
+from shared.schemas import StorageDtype
 
 HIDDEN_DTYPE = torch.bfloat16
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+HIDDEN_FIELDS = ("aux_hidden_state", "hidden_state")
 
 
 class InvalidCapture(Eagle3Error):
@@ -51,24 +68,69 @@ def validate_capture(
             raise InvalidCapture(field, "all zeros")
 
 
+def quantize_fp8(tensor: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, groups * W] bf16 -> (e4m3 [L, groups * W], float32 scales [L, groups]): one scale per row and group."""
+    L, width = tensor.shape
+    grouped = tensor.float().reshape(L, groups, width // groups)  # (L, groups, W)
+    scale = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / FP8_MAX
+    quantized = (grouped / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.reshape(L, width), scale.squeeze(-1)
+
+
+def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[..., L, groups * W] e4m3 and [..., L, groups] scales -> bf16 [..., L, groups * W]."""
+    *lead, width = quantized.shape
+    groups = scale.shape[-1]
+    grouped = quantized.float().reshape(*lead, groups, width // groups) * scale.unsqueeze(-1)
+    return grouped.reshape(*lead, width).to(HIDDEN_DTYPE)
+
+
 def encode_sample(
-    input_ids: list[int], loss_mask: list[int], aux_hidden_state: torch.Tensor, hidden_state: torch.Tensor
+    input_ids: list[int],
+    loss_mask: list[int],
+    aux_hidden_state: torch.Tensor,
+    hidden_state: torch.Tensor,
+    *,
+    storage_dtype: StorageDtype = "bfloat16",
 ) -> bytes:
     record = {
         "input_ids": torch.tensor(input_ids, dtype=torch.long),  # [L]
         "loss_mask": torch.tensor(loss_mask, dtype=torch.long),  # [L]
-        "aux_hidden_state": aux_hidden_state.contiguous().unsqueeze(0),  # [L, 3H] -> [1, L, 3H]
-        "hidden_state": hidden_state.contiguous().unsqueeze(0),  # [L, H] -> [1, L, H]
     }
+    if storage_dtype == "bfloat16":
+        record["aux_hidden_state"] = aux_hidden_state.contiguous().unsqueeze(0)  # [L, 3H] -> [1, L, 3H]
+        record["hidden_state"] = hidden_state.contiguous().unsqueeze(0)  # [L, H] -> [1, L, H]
+    elif storage_dtype == "fp8_e4m3":
+        for field, tensor, groups in (
+            ("aux_hidden_state", aux_hidden_state, NUM_AUX_LAYERS),
+            ("hidden_state", hidden_state, 1),
+        ):
+            quantized, scale = quantize_fp8(tensor, groups)
+            record[field] = quantized.unsqueeze(0)  # [1, L, groups * W]
+            record[f"{field}_scale"] = scale.unsqueeze(0)  # [1, L, groups]
+    else:
+        raise ValueError(f"storage_dtype {storage_dtype!r}: expected 'bfloat16' or 'fp8_e4m3'")
     buffer = io.BytesIO()
     torch.save(record, buffer)
     return buffer.getvalue()
 
 
 def decode_sample(data: bytes) -> dict[str, torch.Tensor]:
+    """The record with bf16 hidden states, whichever dtype it was stored in."""
     # weights_only: the files live in a shared bucket, and a pickle from it must never run code.
     record = torch.load(io.BytesIO(data), weights_only=True)
-    missing = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"} - set(record)
+    missing = {"input_ids", "loss_mask", *HIDDEN_FIELDS} - set(record)
     if missing:
         raise InvalidCapture(", ".join(sorted(missing)), "missing from the sample record")
+    for field in HIDDEN_FIELDS:
+        if record[field].dtype == FP8_DTYPE:
+            scale = record.pop(f"{field}_scale", None)
+            if scale is None:
+                raise InvalidCapture(f"{field}_scale", f"missing: {field} is stored as fp8")
+            if scale.shape[:-1] != record[field].shape[:-1] or record[field].shape[-1] % scale.shape[-1]:
+                raise InvalidCapture(
+                    f"{field}_scale",
+                    f"shape {list(scale.shape)} does not fit {field} {list(record[field].shape)}",
+                )
+            record[field] = dequantize_fp8(record[field], scale)
     return record

@@ -4,37 +4,34 @@
   expected number of drafted tokens accepted per verification if step accuracies were the acceptance rates. It
   leaves out the bonus token, so compare it with a measured acceptance length minus one.
 - `evaluate_heldout`: per-position accuracy and loss of the TTT objective, averaged over tokens of held-out batches.
-- `measure_acceptance`: greedy *chain* speculative decoding of a Hugging Face Llama target with the drafter, as
-  SGLang runs EAGLE-3 with topk 1. Each verification step, the drafter proposes `num_draft_tokens` tokens one
-  after another from its own hidden states; the target scores the last accepted token plus the chain in one forward,
-  keeps the longest prefix that matches its own greedy choices, and adds one token of its own. Reported: tokens per
-  verification step including that bonus token (SGLang's accept length), and whether the output is token for token
-  what plain greedy decoding of the target gives.
-
-Bookkeeping of one decoding step, with n = len(tokens) (the last token is the target's newest, not yet run by it):
-    target KV cache: positions 0..n-2;  target features (aux) known for positions 0..n-2
-    drafter extend:  rows for positions not yet in its cache, row p = (aux[p], token p+1) at RoPE position p
-    drafting:        row n-2's output predicts token n; draft j is fed back at position n-2+j (training's t + i)
-    verification:    target runs tokens[n-1], d_1..d_k; keeps its cache and features up to the last accepted one
-    drafter cache:   cropped back to its real rows 0..n-2, since later rows were built on its own guesses
-
-Checked against (read, not copied): sgl-project/sglang@00559ea python/sglang/srt/speculative/eagle_worker.py (target
-extend with full hidden-state capture, then a draft extend on the target's states of the accepted tokens after each
-verification); sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.py (TTT positions t + i, which
-decoding must match). SGLang's published accept lengths count the bonus token too.
+- `evaluate_checkpoint`: both of the above on the job's held-out shards, plus acceptance measured by speculative
+  decoding (speculative.py) of held-out prompts, for the checkpoint's drafter and for an untrained one.
+- `evaluate_prompt_files`: measured acceptance on any prompt set a user serves (`eagle3 eval --prompts-file`):
+  every dataset format the pipeline reads, every assistant turn a prompt.
 """
 
 import logging
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
-from torch import Tensor
-from transformers import DynamicCache, GenerationConfig, LlamaForCausalLM
+from rich.table import Table
 
-from services.trainer.drafter import Eagle3Drafter, KVCache, TargetHead
+from services.trainer.checkpoint import Checkpoint, drafter_from_checkpoint, load_checkpoint
+from services.trainer.data import PlannedBatch, SampleLoader, ShardFollower, TargetSignature, plan_all
+from services.trainer.drafter import Eagle3Drafter, TargetHead, build_drafter, read_target_config
 from services.trainer.loss import Batch, ttt_loss
+from services.trainer.speculative import AcceptanceResult, measure_acceptance
+from shared.datasets import InvalidRecord, iter_dataset_file
+from shared.errors import ConfigurationError
+from shared.jobs import load_job
+from shared.provenance import check_same
+from shared.settings import Settings
+from shared.storage import open_storage
+from shared.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,180 +86,242 @@ def evaluate_heldout(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Real acceptance: greedy chain speculative decoding
+# A saved checkpoint against an untrained drafter
+
+
+def heldout_batches(loader: SampleLoader, planned: list[PlannedBatch], device: torch.device) -> Iterator[Batch]:
+    for item in planned:
+        batch = loader.load(item)
+        if batch is not None:
+            yield batch.to(device)
+
+
+def heldout_prompts(batches: list[Batch], count: int) -> list[list[int]]:
+    """Up to `count` distinct prompts: each held-out sample up to its first loss-masked token (the conversation
+    before the first assistant reply)."""
+    prompts: list[list[int]] = []
+    for batch in batches:
+        for input_ids, loss_mask, real in zip(batch.input_ids, batch.loss_mask, batch.attention_mask, strict=True):
+            ids, mask = input_ids[real].tolist(), loss_mask[real].tolist()
+            first = mask.index(1) if 1 in mask else 0
+            if first > 0 and ids[:first] not in prompts:
+                prompts.append(ids[:first])
+            if len(prompts) == count:
+                return prompts
+    return prompts
+
+
+def evaluate_checkpoint(
+    ref: str,
+    *,
+    settings: Settings,
+    job_id: str | None = None,
+    model_path: str | None = None,
+    num_prompts: int = 8,
+    num_draft_tokens: int = 7,
+    max_new_tokens: int = 64,
+    max_batches: int | None = None,
+) -> dict[str, Any]:
+    """Held-out per-position accuracy, simulated acceptance length, and acceptance measured by greedy chain
+    speculative decoding of the target, for the checkpoint's drafter and for an untrained one (same seed)."""
+    storage = open_storage(settings.storage_url, settings)
+    checkpoint = load_checkpoint(ref, storage)
+    config = checkpoint.train_config
+    target = Path(model_path or checkpoint.model_path)
+    drafter, target_head = drafter_from_checkpoint(checkpoint, model_path=target)
+    untrained = untrained_drafter(checkpoint, target)
+    job = load_job(storage, job_id or checkpoint.job_id)
+    if checkpoint.provenance is not None and job.provenance is not None:
+        check_same(job.provenance, checkpoint.provenance, what=f"evaluating {checkpoint.source} on job {job.job_id}")
+    expected = TargetSignature.from_model_config(read_target_config(target), drafter.config.aux_layer_ids)
+    follower = ShardFollower(job, storage=storage, expected=expected, heldout_fraction=config.heldout_fraction)
+    follower.poll(block=False)
+    manifests = follower.heldout_manifests()
+    if not manifests:
+        raise ConfigurationError(f"job {job.job_id}: no committed held-out shard to evaluate on")
+    planned = plan_all(manifests, batch_tokens=config.batch_tokens, max_length=config.max_length)
+    loader = SampleLoader(storage, job_id=job.job_id, hidden_size=expected.hidden_size)
+    try:
+        batches = list(
+            heldout_batches(loader, planned[: max_batches or config.heldout_max_batches], torch.device("cpu"))
+        )
+    finally:
+        loader.close()
+    trained_heldout = evaluate_heldout(drafter, target_head, batches, config.ttt_length)
+    untrained_heldout = evaluate_heldout(untrained, target_head, batches, config.ttt_length)
+
+    prompts = heldout_prompts(batches, num_prompts)
+    target_model = load_target(target)
+    measured = measure_acceptance(
+        target_model, drafter, prompts, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens
+    )
+    baseline = measure_acceptance(
+        target_model, untrained, prompts, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens
+    )
+    return {
+        "checkpoint": checkpoint.source,
+        "job_id": job.job_id,
+        "step": checkpoint.step,
+        "train_tokens": checkpoint.train_tokens,
+        "train_seconds": checkpoint.train_seconds,
+        "acc_per_position": trained_heldout["acc_per_position"],
+        "simulated_acceptance_length": trained_heldout["simulated_acceptance_length"],
+        "untrained_acc_per_position": untrained_heldout["acc_per_position"],
+        "untrained_simulated_acceptance_length": untrained_heldout["simulated_acceptance_length"],
+        "measured_acceptance_length": measured.mean_accepted_per_step,
+        "untrained_measured_acceptance_length": baseline.mean_accepted_per_step,
+        "matches_greedy": measured.matches_greedy and baseline.matches_greedy,
+        "num_prompts": len(prompts),
+        "num_draft_tokens": num_draft_tokens,
+        "heldout": trained_heldout,
+        "untrained_heldout": untrained_heldout,
+        "acceptance": asdict(measured),
+        "untrained_acceptance": asdict(baseline),
+    }
+
+
+def untrained_drafter(checkpoint: Checkpoint, target: Path) -> Eagle3Drafter:
+    """The drafter the checkpoint's run started from: same seed, same warm start from the target, same vocab."""
+    torch.manual_seed(checkpoint.train_config.seed)
+    drafter, _ = build_drafter(
+        target,
+        checkpoint.vocab_mapping,
+        aux_layer_ids=checkpoint.drafter_config.aux_layer_ids,
+        init_from_target=checkpoint.train_config.init_from_target,
+    )
+    return drafter
+
+
+def load_target(target: Path) -> Any:
+    """The target in float32, so that speculative and plain greedy decoding round alike (see measure_acceptance)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measured acceptance on prompt files
+
+
+def prompts_from_file(path: Path, chat: ChatTokenizer, *, max_prompts: int | None = None) -> list[list[int]]:
+    """Token ids of every prompt in a dataset file, in file order: each assistant turn of a conversation gives the
+    conversation before it, rendered with the target's chat template and its generation prompt (what the target
+    reads before it writes that turn). A preformatted `text` record is one prompt, as written. A record that the
+    pipeline would reject stops the evaluation with its line and reason."""
+    if not path.is_file():
+        raise ConfigurationError(f"prompts file {path}: no such file")
+    prompts: list[list[int]] = []
+    for record in iter_dataset_file(path):
+        if isinstance(record, InvalidRecord):
+            raise ConfigurationError(f"prompts file {path}, line {record.line}: {record}")
+        if record.text is not None:
+            prompts.append(chat.tokenizer(record.text, add_special_tokens=False)["input_ids"])
+        else:
+            for index, message in enumerate(record.messages):
+                if message.role == "assistant":
+                    prompts.append(chat.generation_prompt(record, record.messages[:index]))
+        if max_prompts is not None and len(prompts) >= max_prompts:
+            return prompts[:max_prompts]
+    if not prompts:
+        raise ConfigurationError(f"prompts file {path}: no prompt in it")
+    return prompts
 
 
 @dataclass
-class AcceptanceResult:
-    mean_accepted_per_step: float  # tokens per target verification step, the bonus token included
-    steps: int  # target verification steps, over all prompts
-    tokens: int  # new tokens generated, over all prompts (the first of each comes from the prefill)
-    matches_greedy: bool  # every prompt's output equals plain greedy decoding of the target
+class PromptFileResult:
+    """One drafter on one prompt file: the numbers `eagle3 eval --prompts-file` prints."""
 
+    file: str
+    drafter: str  # "trained" (the checkpoint's) or "untrained" (its warm start, --baseline)
+    prompts: int
+    new_tokens: int
+    acceptance_length: float  # mean over prompts of tokens per verification step, the bonus token included
+    acceptance_length_ci95: tuple[float, float]  # 95% interval of that mean over prompts
+    pooled_acceptance_length: float  # all new tokens over all verification steps
+    position_acceptance: list[float]  # share of verification steps whose draft k+1 was accepted
+    matches_greedy: bool  # every output equals plain greedy decoding of the target
+    wall_s: float  # speculative decoding and the greedy check, for this file and drafter
 
-def aux_hidden_state(hidden_states: tuple[Tensor, ...], aux_layer_ids: list[int]) -> Tensor:
-    """HF `output_hidden_states` -> [B, T, 3H]. hidden_states[0] is the embedding output, so decoder layer i's
-    output is hidden_states[i + 1]; the last entry is post-final-norm (the lm_head input)."""
-    return torch.cat([hidden_states[layer_id + 1] for layer_id in aux_layer_ids], dim=-1)
-
-
-def eos_token_ids(target_model: LlamaForCausalLM) -> list[int]:
-    eos = target_model.generation_config.eos_token_id
-    if eos is None:
-        eos = target_model.config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-@torch.no_grad()
-def greedy_generate(target_model: LlamaForCausalLM, prompt: list[int], *, max_new_tokens: int) -> list[int]:
-    """Plain greedy decoding with transformers' own loop: the reference speculative decoding must reproduce."""
-    eos = eos_token_ids(target_model)
-    device = target_model.device
-    input_ids = torch.tensor([prompt], device=device)
-    # An explicit config, so no sampling or repetition settings from the model folder sneak in.
-    generation_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos or None,
-        pad_token_id=eos[0] if eos else 0,
-    )
-    output = target_model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-    )
-    return output[0, len(prompt) :].tolist()
-
-
-@torch.no_grad()
-def speculative_generate(
-    target_model: LlamaForCausalLM,
-    drafter: Eagle3Drafter,
-    prompt: list[int],
-    *,
-    num_draft_tokens: int,
-    max_new_tokens: int,
-) -> tuple[list[int], list[int]]:
-    """Greedy chain speculative decoding of one prompt -> (new tokens, tokens emitted per verification step)."""
-    eos = set(eos_token_ids(target_model))
-    aux_layer_ids = drafter.config.aux_layer_ids
-    device = target_model.device
-
-    def run_target(token_ids: list[int]) -> tuple[Tensor, Tensor]:
-        out = target_model(
-            input_ids=torch.tensor([token_ids], device=device),
-            cache=target_cache,
-            use_cache=True,
-            output_hidden_states=True,
+    @classmethod
+    def from_acceptance(cls, file: str, drafter: str, result: AcceptanceResult, wall_s: float) -> "PromptFileResult":
+        return cls(
+            file=file,
+            drafter=drafter,
+            prompts=result.prompts,
+            new_tokens=result.tokens,
+            acceptance_length=result.mean_acceptance_length,
+            acceptance_length_ci95=result.acceptance_length_ci95,
+            pooled_acceptance_length=result.mean_accepted_per_step,
+            position_acceptance=result.position_acceptance,
+            matches_greedy=result.matches_greedy,
+            wall_s=wall_s,
         )
-        return out.logits[0].argmax(-1), aux_hidden_state(out.hidden_states, aux_layer_ids)  # (T,), (1, T, 3H)
-
-    def position_ids(start: int, length: int) -> Tensor:
-        return torch.arange(start, start + length, device=device)[None]  # (1, length)
-
-    # Prefill: the target's first token, and its features for every prompt position.
-    target_cache = DynamicCache(config=target_model.config)
-    greedy, pending_aux = run_target(prompt)
-    tokens = [*prompt, int(greedy[-1])]
-    new_tokens, emitted_per_step = 1, []
-    drafter_cache = KVCache()
-
-    while new_tokens < max_new_tokens and tokens[-1] not in eos:
-        n = len(tokens)
-        # Drafter extend: rows start..n-2 pair the target's features at p with token p+1.
-        start = drafter_cache.length
-        input_embeds = drafter.embed_input_ids(torch.tensor([tokens[start + 1 : n]], device=device))
-        hidden = drafter.backbone(
-            input_embeds,
-            drafter.project_hidden_states(pending_aux),
-            position_ids(start, n - 1 - start),
-            cache=drafter_cache,
-        )[:, -1:]  # (1, 1, H): row n-2, whose output predicts token n
-
-        # Draft a chain, feeding back the drafter's own hidden state and token (draft j at position n-2+j).
-        drafts: list[int] = []
-        for j in range(1, num_draft_tokens + 1):
-            draft = drafter.draft_to_target(drafter.compute_logits(hidden).argmax(-1))  # (1, 1) target id
-            drafts.append(int(draft))
-            if j < num_draft_tokens:
-                hidden = drafter.backbone(
-                    drafter.embed_input_ids(draft), hidden, position_ids(n - 2 + j, 1), cache=drafter_cache
-                )
-        drafter_cache.crop(n - 1)  # rows past n-2 were built on guesses
-
-        # Verify: greedy[j] is the target's choice after tokens[n-1], d_1..d_j.
-        greedy, verify_aux = run_target([tokens[-1], *drafts])
-        accepted = 0
-        while accepted < num_draft_tokens and drafts[accepted] == int(greedy[accepted]):
-            accepted += 1
-        target_cache.crop(accepted - num_draft_tokens)  # drop the rejected drafts: keep positions 0..n-1+accepted
-        pending_aux = verify_aux[:, : accepted + 1]  # features of positions n-1..n-1+accepted
-
-        emitted = [*drafts[:accepted], int(greedy[accepted])]
-        for position, token in enumerate(emitted):  # stop where greedy decoding would stop
-            if token in eos or new_tokens + position + 1 == max_new_tokens:
-                emitted = emitted[: position + 1]
-                break
-        tokens += emitted
-        new_tokens += len(emitted)
-        emitted_per_step.append(len(emitted))
-
-    return tokens[len(prompt) :], emitted_per_step
 
 
-@torch.no_grad()
-def measure_acceptance(
-    target_model: LlamaForCausalLM,
-    drafter: Eagle3Drafter,
-    prompts: list[list[int]],
+def evaluate_prompt_files(
+    ref: str,
+    files: list[Path],
     *,
+    settings: Settings,
+    model_path: str | None = None,
+    baseline: bool = False,
+    max_prompts: int | None = None,
     num_draft_tokens: int = 7,
     max_new_tokens: int = 64,
-) -> AcceptanceResult:
-    """Speculative decoding of every prompt, checked token for token against plain greedy decoding.
-
-    Load the target in float32 for the check to mean anything: in bf16, scoring a chunk of tokens and decoding
-    one at a time round differently, so a near-tie can flip and the outputs part without any bug (seen on SmolLM2
-    at the second new token).
-    """
-    if target_model.dtype != torch.float32:
-        logger.warning("target in %s: matches_greedy may fail on rounding alone; use float32", target_model.dtype)
-    was_training = drafter.training
-    drafter.eval()
-    target_model.eval()
-    steps = step_tokens = tokens = 0
-    matches_greedy = True
-    for index, prompt in enumerate(prompts):
-        generated, emitted_per_step = speculative_generate(
-            target_model, drafter, prompt, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens
-        )
-        reference = greedy_generate(target_model, prompt, max_new_tokens=max_new_tokens)
-        if generated != reference:
-            first = next((i for i, (a, b) in enumerate(zip(generated, reference, strict=False)) if a != b), None)
-            logger.warning(
-                "prompt %d: speculative output differs from greedy at new token %s (lengths %d vs %d)",
-                index,
-                first if first is not None else min(len(generated), len(reference)),
-                len(generated),
-                len(reference),
+) -> dict[str, Any]:
+    """Measured acceptance of a checkpoint's drafter on each prompt file (and of its untrained start with
+    `baseline`), decoding with the target it was trained against."""
+    storage = open_storage(settings.storage_url, settings)
+    checkpoint = load_checkpoint(ref, storage)
+    target = Path(model_path or checkpoint.model_path)
+    drafters = {"trained": drafter_from_checkpoint(checkpoint, model_path=target)[0]}
+    if baseline:
+        drafters["untrained"] = untrained_drafter(checkpoint, target)
+    chat = ChatTokenizer.from_pretrained(target)
+    prompt_sets = {str(path): prompts_from_file(path, chat, max_prompts=max_prompts) for path in files}
+    target_model = load_target(target)
+    results = []
+    for file, prompts in prompt_sets.items():
+        for name, drafter in drafters.items():
+            started = time.perf_counter()
+            acceptance = measure_acceptance(
+                target_model, drafter, prompts, num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens
             )
-            matches_greedy = False
-        steps += len(emitted_per_step)
-        step_tokens += sum(emitted_per_step)
-        tokens += len(generated)
-    drafter.train(was_training)
+            wall_s = time.perf_counter() - started
+            results.append(PromptFileResult.from_acceptance(file, name, acceptance, wall_s))
+            logger.info("%s on %s: acceptance length %.3f", name, file, results[-1].acceptance_length)
+    return {
+        "checkpoint": checkpoint.source,
+        "job_id": checkpoint.job_id,
+        "step": checkpoint.step,
+        "num_draft_tokens": num_draft_tokens,
+        "max_new_tokens": max_new_tokens,
+        "results": [asdict(result) for result in results],
+    }
 
-    result = AcceptanceResult(
-        mean_accepted_per_step=step_tokens / steps if steps else math.nan,
-        steps=steps,
-        tokens=tokens,
-        matches_greedy=matches_greedy,
+
+def acceptance_table(report: dict[str, Any]) -> Table:
+    """The report of `evaluate_prompt_files` as one table: a row per file and drafter."""
+    table = Table(
+        title=f"measured acceptance: {report['checkpoint']} (step {report['step']}), "
+        f"{report['num_draft_tokens']} draft tokens, up to {report['max_new_tokens']} new tokens per prompt"
     )
-    logger.info(
-        "measured acceptance: prompts=%d draft_tokens=%d steps=%d tokens=%d accept_length=%.3f matches_greedy=%s",
-        len(prompts),
-        num_draft_tokens,
-        result.steps,
-        result.tokens,
-        result.mean_accepted_per_step,
-        result.matches_greedy,
-    )
-    return result
+    for column in ("prompts file", "drafter", "prompts", "new tokens", "accept length", "95% interval"):
+        table.add_column(column, justify="left" if column in ("prompts file", "drafter") else "right", overflow="fold")
+    table.add_column("acceptance per draft position")
+    table.add_column("matches greedy")
+    table.add_column("wall s", justify="right")
+    for row in report["results"]:
+        low, high = row["acceptance_length_ci95"]
+        table.add_row(
+            row["file"],
+            row["drafter"],
+            str(row["prompts"]),
+            str(row["new_tokens"]),
+            f"{row['acceptance_length']:.3f}",
+            f"{low:.3f}-{high:.3f}",
+            " ".join(f"{share:.2f}" for share in row["position_acceptance"]),
+            "yes" if row["matches_greedy"] else "NO",
+            f"{row['wall_s']:.1f}",
+        )
+    return table

@@ -19,7 +19,8 @@ from shared.datasets import Conversation
 from shared.errors import ShardValidationError
 from shared.inference_client import InferenceClient
 from shared.kinds.base import JobKind, JobPlan, Target, check_served_model
-from shared.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput
+from shared.provenance import compute_provenance
+from shared.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput, StorageDtype
 from shared.settings import Settings
 from shared.shard_format import InvalidCapture, encode_sample, validate_capture
 from shared.shards import ShardContext
@@ -31,8 +32,10 @@ from shared.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_b
 PER_SAMPLE_OVERHEAD_BYTES = 1536
 
 
-def bytes_per_token(hidden_size: int) -> int:
-    # 3 aux + 1 final state in bf16, plus int64 input_ids and loss_mask.
+def bytes_per_token(hidden_size: int, storage_dtype: StorageDtype = "bfloat16") -> int:
+    # 3 aux + 1 final state in bf16, plus int64 input_ids and loss_mask; fp8 adds 4 float32 scales (shard_format.py).
+    if storage_dtype == "fp8_e4m3":
+        return 4 * hidden_size * 1 + 4 * 4 + 2 * 8
     return 4 * hidden_size * 2 + 2 * 8
 
 
@@ -77,7 +80,13 @@ def commit_sample(
     except InvalidCapture as exc:
         raise ShardValidationError(job.job_id, shard_index, sample.sample_id, exc.field, exc.reason) from exc
     key = layout.sample(job.job_id, sample.sample_index)
-    data = encode_sample(sample.input_ids, sample.loss_mask, states.aux_hidden_state, states.hidden_state)
+    data = encode_sample(
+        sample.input_ids,
+        sample.loss_mask,
+        states.aux_hidden_state,
+        states.hidden_state,
+        storage_dtype=job.spec.storage_dtype,
+    )
     if storage.put_if_absent(key, data):
         return describe_sample(sample, key, data), True
     # A concurrent duplicate delivery wrote it first: describe what is stored, which the manifest must match.
@@ -143,7 +152,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
 
     def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[TokenizedSample]) -> JobPlan[ShardInput]:
         items = accepted
-        per_token = bytes_per_token(target.hidden_size)
+        per_token = bytes_per_token(target.hidden_size, spec.storage_dtype)
         tokens_total = sum(s.num_tokens for s in items)
         target_vocab = target.tokenizer.vocab_size
         mapping = build_vocab_mapping(
@@ -165,6 +174,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
                 for member in members
             ]
             shards.append(ShardInput(job_id=job_id, shard_index=shard_index, samples=samples))
+        mapping_bytes = vocab_mapping_bytes(mapping)
         return JobPlan(
             shards=shards,
             samples_total=len(items),
@@ -176,8 +186,16 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
                 "loss_tokens_total": sum(sum(s.loss_mask) for s in items),
                 "draft_vocab_size": mapping.draft_vocab_size,
                 "vocab_coverage": mapping.coverage,
+                "provenance": compute_provenance(
+                    target.path,
+                    chat_template_sha256=target.tokenizer.template_hash,
+                    aux_layer_ids=target.aux_layer_ids,
+                    dtype="bfloat16",  # what every inference server returns (shared/shard_format.py HIDDEN_DTYPE)
+                    storage_dtype=spec.storage_dtype,
+                    vocab_mapping=mapping_bytes,
+                ),
             },
-            files={layout.vocab_mapping(job_id): vocab_mapping_bytes(mapping)},
+            files={layout.vocab_mapping(job_id): mapping_bytes},
         )
 
     def open(self, settings: Settings) -> InferenceClient:

@@ -406,6 +406,7 @@ def chained_spec(job: JobRecord, storage: Storage) -> JobSpec:
         draft_vocab_size=job.spec.draft_vocab_size,
         shard_token_budget=job.spec.shard_token_budget,
         aux_layer_ids=job.aux_layer_ids,
+        storage_dtype=job.spec.storage_dtype,
     )
 
 

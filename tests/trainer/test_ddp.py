@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.train import TrainConfig, train
+from services.trainer.config import TrainConfig
+from services.trainer.train import train
 from shared.settings import Settings
 from shared.storage import open_storage
 from tests.trainer.shard_builders import ExtractedJob

@@ -2,6 +2,7 @@
 target: always exactly greedy decoding, accepting whole chains from an oracle, partial chains from a partly
 wrong oracle, nothing much from an untrained drafter, and clearly more once trained on the target's own states."""
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -20,14 +21,9 @@ from services.trainer.drafter import (
     build_drafter,
     read_target_config,
 )
-from services.trainer.evaluate import (
-    evaluate_heldout,
-    greedy_generate,
-    measure_acceptance,
-    simulated_acceptance_length,
-    speculative_generate,
-)
+from services.trainer.evaluate import evaluate_heldout, simulated_acceptance_length
 from services.trainer.loss import Batch, ttt_loss
+from services.trainer.speculative import greedy_generate, measure_acceptance, speculative_generate
 from shared.vocab import build_vocab_mapping
 from tests.trainer.test_loss import AUX_LAYER_IDS, captured_batch
 
@@ -180,16 +176,18 @@ def test_training_and_decoding_share_one_shift_convention(
     assert ttt_loss(shifted, target_head, batch, ttt_length=4).step_accuracies[0] < 0.5
 
     for sequence, prompt, continuation in zip(sequences, prompts, continuations, strict=True):
-        generated, emitted = speculative_generate(
+        output = speculative_generate(
             tiny_target,
             oracle_for(drafter, [sequence]),
             prompt,
             num_draft_tokens=NUM_DRAFT_TOKENS,
             max_new_tokens=MAX_NEW_TOKENS,
         )
-        assert generated == continuation
+        assert output.tokens == continuation
         # After the prefill's token, every step emits all drafts plus the bonus token until the budget runs out.
+        emitted = output.emitted_per_step
         assert emitted[:-1] == [NUM_DRAFT_TOKENS + 1] * (len(emitted) - 1)
+        assert output.accepted_per_step[:-1] == [NUM_DRAFT_TOKENS] * (len(emitted) - 1)
         assert sum(emitted) == len(continuation) - 1
 
 
@@ -218,15 +216,49 @@ def test_partly_wrong_oracle_accepts_exactly_its_correct_prefix(
     drafter, _ = full_vocab_drafter(target_dir)
     prompts, continuations = prompts_and_continuations
     for prompt, continuation in zip(prompts, continuations, strict=True):
-        generated, emitted = speculative_generate(
+        output = speculative_generate(
             tiny_target,
             oracle_for(drafter, [prompt + continuation], correct_drafts=2),
             prompt,
             num_draft_tokens=NUM_DRAFT_TOKENS,
             max_new_tokens=MAX_NEW_TOKENS,
         )
-        assert generated == continuation  # rejected drafts never leak into the output or the caches
+        assert output.tokens == continuation  # rejected drafts never leak into the output or the caches
+        emitted = output.emitted_per_step
         assert emitted[:-1] == [3] * (len(emitted) - 1)  # 2 accepted drafts + the target's correction
+        assert output.accepted_per_step[:-1] == [2] * (len(emitted) - 1)
+
+
+def test_acceptance_per_position_and_per_prompt_interval(
+    target_dir: Path, tiny_target: LlamaForCausalLM, prompts_and_continuations: tuple
+) -> None:
+    """An oracle right on its first two drafts only: positions 1-2 accepted (all but perhaps the last step,
+    which drafts past the reference), positions 3-4 never; one acceptance length per prompt, and an interval
+    around their mean."""
+    drafter, _ = full_vocab_drafter(target_dir)
+    prompts, continuations = prompts_and_continuations
+    results = [
+        measure_acceptance(
+            tiny_target,
+            oracle_for(drafter, [prompt + continuation], correct_drafts=2),
+            [prompt],
+            num_draft_tokens=NUM_DRAFT_TOKENS,
+            max_new_tokens=MAX_NEW_TOKENS,
+        )
+        for prompt, continuation in zip(prompts, continuations, strict=True)
+    ]
+    for result in results:
+        assert result.matches_greedy and result.prompts == 1 and len(result.prompt_acceptance_lengths) == 1
+        first, second, third, fourth = result.position_acceptance
+        assert first >= second >= (result.steps - 1) / result.steps and (third, fourth) == (0.0, 0.0)
+        assert result.mean_acceptance_length == pytest.approx(result.mean_accepted_per_step)
+        assert all(map(math.isnan, result.acceptance_length_ci95))  # one prompt: no interval
+    pooled = measure_acceptance(
+        tiny_target, drafter, prompts, num_draft_tokens=NUM_DRAFT_TOKENS, max_new_tokens=MAX_NEW_TOKENS
+    )
+    assert pooled.prompts == len(prompts) == len(pooled.prompt_acceptance_lengths)
+    low, high = pooled.acceptance_length_ci95
+    assert low <= pooled.mean_acceptance_length <= high
 
 
 def test_untrained_drafter_decodes_exactly_greedy(

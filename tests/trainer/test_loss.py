@@ -19,7 +19,6 @@ from services.trainer.drafter import (
     ttt_attention,
     ttt_attention_mask,
 )
-from services.trainer.evaluate import aux_hidden_state
 from services.trainer.loss import (
     Batch,
     fused_soft_cross_entropy,
@@ -27,6 +26,7 @@ from services.trainer.loss import (
     soft_cross_entropy,
     ttt_loss,
 )
+from services.trainer.speculative import aux_hidden_state
 from shared.vocab import VocabMapping, build_vocab_mapping
 
 AUX_LAYER_IDS = [1, 3, 4]

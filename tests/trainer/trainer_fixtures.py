@@ -21,10 +21,22 @@ def extracted_job(
 ) -> Iterator[ExtractedJob]:
     """A job of ~50 samples in ~10 shards, every shard extracted by the reference server from the tiny model with a
     sharpened head (see `sharpen_target`)."""
-    root = tmp_path_factory.mktemp("trainer-job")
+    yield from extract_job(tmp_path_factory.mktemp("trainer-job"), tiny_model_dir, redis_server, job_id="trainer")
+
+
+@pytest.fixture(scope="session")
+def extracted_fp8_job(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, redis_server: str
+) -> Iterator[ExtractedJob]:
+    """The same job, stored as fp8 (e4m3, per-token scales)."""
+    root = tmp_path_factory.mktemp("trainer-fp8-job")
+    yield from extract_job(root, tiny_model_dir, redis_server, job_id="trainer-fp8", storage_dtype="fp8_e4m3")
+
+
+def extract_job(root: Path, tiny_model_dir: Path, redis_server: str, **spec: object) -> Iterator[ExtractedJob]:
     model_dir = sharpen_target(tiny_model_dir, root / "model")
     storage = open_storage((root / "store").as_uri())
-    job = plan_job(root, model_dir, redis_server, storage, repeat=3, shard_token_budget=300, job_id="trainer")
+    job = plan_job(root, model_dir, redis_server, storage, repeat=3, shard_token_budget=300, **spec)
     client = redis.Redis.from_url(redis_server)
     # One thread: on a shared 2-core machine, OpenMP threads of a busy process spin and make small ops 40x slower.
     with (

@@ -1,3 +1,5 @@
+import io
+
 import pytest
 import torch
 
@@ -80,4 +82,39 @@ def test_decode_refuses_pickled_code() -> None:
     buffer = io.BytesIO()
     torch.save({"input_ids": Exploit()}, buffer)
     with pytest.raises(Exception, match="Weights only load failed"):
+        decode_sample(buffer.getvalue())
+
+
+def test_fp8_record_decodes_to_bf16_within_e4m3_rounding() -> None:
+    # Layers of very different magnitudes, as real aux states are: each token and layer gets its own scale.
+    aux, hidden = states(rows=16, hidden=64)
+    aux = aux * torch.tensor([0.01, 1.0, 100.0]).repeat_interleave(64).bfloat16()
+    record = decode_sample(encode_sample([1] * 16, [1] * 16, aux, hidden, storage_dtype="fp8_e4m3"))
+    assert set(record) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+    for name, original in (("aux_hidden_state", aux), ("hidden_state", hidden)):
+        decoded = record[name][0]
+        assert decoded.dtype == torch.bfloat16 and decoded.shape == original.shape
+        # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each token-layer's largest value.
+        groups = 3 if name == "aux_hidden_state" else 1
+        error = (decoded.float() - original.float()).abs().reshape(16, groups, -1)
+        peak = original.float().abs().reshape(16, groups, -1).amax(-1, keepdim=True)
+        assert bool((error <= peak / 16).all()), name
+
+
+def test_fp8_record_is_at_most_052_of_bf16_at_smollm2_width() -> None:
+    aux, hidden = states(rows=256, hidden=576)  # SmolLM2-135M's hidden size, a 256-token sample
+    ids = list(range(256))
+    bf16 = len(encode_sample(ids, [1] * 256, aux, hidden))
+    fp8 = len(encode_sample(ids, [1] * 256, aux, hidden, storage_dtype="fp8_e4m3"))
+    assert fp8 / bf16 <= 0.52, (fp8, bf16)
+
+
+def test_fp8_record_without_its_scale_is_refused() -> None:
+    aux, hidden = states()
+    data = encode_sample([1] * 5, [1] * 5, aux, hidden, storage_dtype="fp8_e4m3")
+    record = torch.load(io.BytesIO(data), weights_only=True)
+    del record["hidden_state_scale"]
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    with pytest.raises(InvalidCapture, match="hidden_state_scale: missing"):
         decode_sample(buffer.getvalue())
