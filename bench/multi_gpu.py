@@ -39,7 +39,6 @@ from safetensors.torch import save_file
 
 from bench.capture_model import capture_model
 from bench.common import bench_job, in_processes, reference_server
-from services.trainer.checkpoint import latest_key
 from shared import layout
 from shared.capture_protocol import default_aux_layer_ids
 from shared.inference_client import InferenceClient
@@ -196,7 +195,7 @@ def run_trainer(job_id: str, work: Path, *, processes: int, grad_accum: int, arg
     if result.returncode != 0:
         raise SystemExit(f"trainer with {processes} processes failed; see {log}")
     storage = FileStorage(str(work / "storage"))
-    latest = json.loads(storage.get(latest_key(job_id, run_name)))
+    latest = json.loads(storage.get(layout.trainer_latest(job_id, run_name)))
     return torch.load(io.BytesIO(storage.get(latest["key"])), weights_only=True)
 
 

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import reference_server
+from eagle3.local_stack import free_port
 from services.trainer.config import TrainConfig
 from services.trainer.evaluate import acceptance_table, evaluate_prompt_files
 from services.trainer.train import train
@@ -29,7 +30,6 @@ from shared import jobs, layout, shards
 from shared.demo_data import write_demo_dataset
 from shared.inference_client import InferenceClient
 from shared.kinds import EXTRACT
-from shared.local_stack import free_port
 from shared.model_assets import resolve_model_path
 from shared.schemas import JobSpec, Manifest
 from shared.settings import Settings

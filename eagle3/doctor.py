@@ -18,7 +18,8 @@ _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
 def train_one_step(job_id: str, settings: Settings) -> str:
     """The trainer's own data loader and training step on the scratch job's committed shard."""
-    from services.trainer.train import TrainConfig, train
+    from services.trainer.config import TrainConfig
+    from services.trainer.train import train
 
     with tempfile.TemporaryDirectory(prefix="eagle3-doctor-cache-") as cache:
         summary = train(

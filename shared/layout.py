@@ -88,9 +88,18 @@ def trainer_prefix(job_id: str) -> str:
     return f"{job_id}/trainer/"
 
 
+def trainer_checkpoints(job_id: str, run_name: str) -> str:
+    """A training run's checkpoints, with latest.json pointing at the newest and its curves.html."""
+    return f"{job_id}/trainer/{run_name}/checkpoints/"
+
+
+def trainer_checkpoint(job_id: str, run_name: str, step: int) -> str:
+    return f"{trainer_checkpoints(job_id, run_name)}step_{step:08d}.pt"
+
+
 def trainer_latest(job_id: str, run_name: str) -> str:
-    return f"{job_id}/trainer/{run_name}/checkpoints/latest.json"
+    return f"{trainer_checkpoints(job_id, run_name)}latest.json"
 
 
 def trainer_curves(job_id: str, run_name: str) -> str:
-    return f"{job_id}/trainer/{run_name}/checkpoints/curves.html"
+    return f"{trainer_checkpoints(job_id, run_name)}curves.html"

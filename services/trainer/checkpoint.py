@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from services.trainer.config import TrainConfig
 from services.trainer.data import DataPosition, DataStats
 from services.trainer.drafter import DrafterConfig, Eagle3Drafter, TargetHead, build_drafter
+from shared import layout
 from shared.errors import ConfigurationError
 from shared.storage import ObjectNotFound, Storage
 from shared.vocab import VocabMapping
@@ -35,22 +36,6 @@ from shared.vocab import VocabMapping
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
-
-
-def run_prefix(job_id: str, run_name: str) -> str:
-    return f"{job_id}/trainer/{run_name}/"
-
-
-def checkpoint_key(job_id: str, run_name: str, step: int) -> str:
-    return f"{run_prefix(job_id, run_name)}checkpoints/step_{step:08d}.pt"
-
-
-def latest_key(job_id: str, run_name: str) -> str:
-    return f"{run_prefix(job_id, run_name)}checkpoints/latest.json"
-
-
-def curves_key(job_id: str, run_name: str) -> str:
-    return f"{run_prefix(job_id, run_name)}checkpoints/curves.html"
 
 
 @dataclass
@@ -154,13 +139,13 @@ class Checkpoint:
 def save_checkpoint(storage: Storage, checkpoint: Checkpoint, *, keep: int) -> str:
     """Write the step's .pt, then point latest.json at it, then drop all but the newest `keep`."""
     job_id, run_name = checkpoint.job_id, checkpoint.run_name
-    key = checkpoint_key(job_id, run_name, checkpoint.step)
+    key = layout.trainer_checkpoint(job_id, run_name, checkpoint.step)
     buffer = io.BytesIO()
     torch.save(checkpoint.to_payload(), buffer)
     storage.put(key, buffer.getvalue())
     latest = {"key": key, "step": checkpoint.step, "saved_at": checkpoint.saved_at}
-    storage.put(latest_key(job_id, run_name), json.dumps(latest).encode())
-    for old in storage.list(f"{run_prefix(job_id, run_name)}checkpoints/step_")[:-keep]:
+    storage.put(layout.trainer_latest(job_id, run_name), json.dumps(latest).encode())
+    for old in storage.list(layout.trainer_checkpoints(job_id, run_name) + "step_")[:-keep]:
         storage.delete(old)
     logger.info("checkpoint step %d -> %s (%d bytes)", checkpoint.step, key, buffer.tell())
     return key
@@ -194,10 +179,10 @@ def find_resume_checkpoint(
     """The checkpoint a run continues from: `resume_from`, or with `resume` the run's latest if it has one."""
     if resume_from is None and not resume:
         return None
-    if resume_from is None and not storage.exists(latest_key(config.job_id, config.run_name)):
+    if resume_from is None and not storage.exists(layout.trainer_latest(config.job_id, config.run_name)):
         logger.info("run %s of job %s has no checkpoint yet: starting fresh", config.run_name, config.job_id)
         return None
-    checkpoint = load_checkpoint(resume_from or latest_key(config.job_id, config.run_name), storage)
+    checkpoint = load_checkpoint(resume_from or layout.trainer_latest(config.job_id, config.run_name), storage)
     if checkpoint.job_id != config.job_id:
         raise ConfigurationError(
             f"checkpoint {checkpoint.source} belongs to job {checkpoint.job_id}, not {config.job_id}"

@@ -29,8 +29,6 @@ from services.trainer.checkpoint import (
     Checkpoint,
     RankState,
     capture_rng_state,
-    checkpoint_key,
-    curves_key,
     find_resume_checkpoint,
     parameters_sha256,
     restore_drafter,
@@ -382,7 +380,7 @@ class Trainer:
             "final_loss": last.get("loss"),
             "final_step_accuracies": last.get("step_accuracies"),
             "checkpoint_key": checkpoint,
-            "curves_key": curves_key(config.job_id, config.run_name),
+            "curves_key": layout.trainer_curves(config.job_id, config.run_name),
             "data_position": self.position.model_dump(exclude={"epoch_shards"}),
             "skipped_samples": sum(s["skipped_samples"] for s in stats),
             "skipped_by_reason": dict(sum((Counter(s["skipped_by_reason"]) for s in stats), Counter())),
@@ -431,7 +429,7 @@ class Trainer:
     def _last_key(self) -> str | None:
         if self.last_saved_step < 0:
             return None
-        return checkpoint_key(self.config.job_id, self.config.run_name, self.step)
+        return layout.trainer_checkpoint(self.config.job_id, self.config.run_name, self.step)
 
     def _save_checkpoint(self) -> str:
         config = self.config
@@ -439,7 +437,7 @@ class Trainer:
         ranks = self.runtime.gather(RankState(rng=capture_rng_state(), data_stats=stats))
         self.last_saved_step = self.step
         if self.runtime.rank != 0:
-            return checkpoint_key(config.job_id, config.run_name, self.step)
+            return layout.trainer_checkpoint(config.job_id, config.run_name, self.step)
         checkpoint = Checkpoint(
             job_id=config.job_id,
             run_name=config.run_name,
@@ -461,7 +459,9 @@ class Trainer:
         )
         key = save_checkpoint(self.storage, checkpoint, keep=config.keep_checkpoints)
         title = f"{config.job_id} / {config.run_name}"
-        self.storage.put(curves_key(config.job_id, config.run_name), curves_html(self.history, title).encode())
+        self.storage.put(
+            layout.trainer_curves(config.job_id, config.run_name), curves_html(self.history, title).encode()
+        )
         return key
 
     def _evaluate_heldout(self) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 
 from services.trainer import cli as trainer_cli
 from services.trainer import export
-from services.trainer.checkpoint import checkpoint_key, curves_key, latest_key
 from services.trainer.config import TrainConfig
 from services.trainer.data import IncompatibleJob, heldout_shards
 from services.trainer.evaluate import evaluate_checkpoint, prompts_from_file
@@ -88,18 +87,18 @@ def test_training_lowers_the_loss(short_run: dict) -> None:
 def test_checkpoints_and_curves_are_saved_to_storage(short_run: dict, extracted_job: ExtractedJob) -> None:
     storage = open_storage(extracted_job.storage_url)
     job_id = extracted_job.job_id
-    assert short_run["checkpoint_key"] == checkpoint_key(job_id, "short", 40)
+    assert short_run["checkpoint_key"] == layout.trainer_checkpoint(job_id, "short", 40)
     assert storage.list(f"{job_id}/trainer/short/checkpoints/step_") == [
-        checkpoint_key(job_id, "short", 20),
-        checkpoint_key(job_id, "short", 40),
+        layout.trainer_checkpoint(job_id, "short", 20),
+        layout.trainer_checkpoint(job_id, "short", 40),
     ]
-    assert json.loads(storage.get(latest_key(job_id, "short")))["key"] == short_run["checkpoint_key"]
+    assert json.loads(storage.get(layout.trainer_latest(job_id, "short")))["key"] == short_run["checkpoint_key"]
     checkpoint = torch.load(io.BytesIO(storage.get(short_run["checkpoint_key"])), weights_only=True)
     assert checkpoint["step"] == 40 and checkpoint["job_id"] == job_id
     assert checkpoint["drafter_config"]["aux_layer_ids"] == extracted_job.job.aux_layer_ids
     assert "embed_tokens.weight" not in checkpoint["drafter"]  # the target's, frozen: never saved
     assert checkpoint["train_config"]["lr"] == 3e-3
-    html = storage.get(curves_key(job_id, "short")).decode()
+    html = storage.get(layout.trainer_curves(job_id, "short")).decode()
     assert html.startswith("<!doctype html>") and html.count("<svg") == 2 and "position 6" in html
 
 
