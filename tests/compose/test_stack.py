@@ -408,7 +408,9 @@ def test_trainer_profile_trains_on_a_job(stack: Stack) -> None:
     )
     logs = subprocess.run(["docker", "logs", trainer], capture_output=True, text=True, timeout=60)
     assert inspect.stdout.strip() == "0", logs.stdout[-3000:] + logs.stderr[-3000:]
-    summary = json.loads(logs.stdout[logs.stdout.rindex("\n{") :])
+    # The summary is the last JSON object on stdout (logs go to stderr); it may be all there is.
+    stdout = "\n" + logs.stdout
+    summary = json.loads(stdout[stdout.rindex("\n{") :])
     assert summary["job_id"] == job_id
     assert summary["steps"] > 0 and summary["train_tokens"] > 0, summary
     assert summary["final_loss"] is not None and math.isfinite(summary["final_loss"]), summary
