@@ -16,7 +16,7 @@ import redis
 from pydantic import BaseModel
 
 from shared import layout, progress
-from shared.errors import InferenceUnavailable, JobNotFound
+from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
 from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage
@@ -44,6 +44,10 @@ class ShardContext:
         return self.states[kind.name]
 
 
+class Cancelled(Eagle3Error):
+    """The job was cancelled while its shard ran; what is done stays for a resume."""
+
+
 class ShardOutcome(BaseModel):
     """What a shard task returns (and logs): the committed shard's size, or why nothing was done."""
 
@@ -63,12 +67,16 @@ def load_job(storage: Storage, job_id: str) -> JobRecord:
         raise JobNotFound(job_id) from exc
 
 
-def load_shard_input(storage: Storage, job: JobRecord, shard_index: int) -> BaseModel:
+def read_shard_input(kind: "JobKind", storage: Storage, job_id: str, shard_index: int) -> BaseModel:
     """The planned input of one shard, as its kind's model."""
+    return kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+
+
+def load_shard_input(storage: Storage, job: JobRecord, shard_index: int) -> BaseModel:
+    """The planned input of one shard of a job, whatever its kind."""
     from shared.kinds import kind_of
 
-    data = storage.get(layout.shard_input(job.job_id, shard_index))
-    return kind_of(job.kind).input_type.model_validate_json(data)
+    return read_shard_input(kind_of(job.kind), storage, job.job_id, shard_index)
 
 
 def _outcome(manifest: Any, status: Literal["committed", "already_committed"], seconds: float = 0.0) -> ShardOutcome:
@@ -84,8 +92,6 @@ def _outcome(manifest: Any, status: Literal["committed", "already_committed"], s
 
 
 def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
-    from shared.kinds.base import Cancelled
-
     started, started_at = time.monotonic(), utc_now()
     storage, client = ctx.storage, ctx.redis
     state = ctx.state(kind)
@@ -101,10 +107,10 @@ def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext)
 
     job = load_job(storage, job_id)
     if job.kind != kind.name:
-        raise JobNotFound(f"{job_id} is a job of kind {job.kind!r}, not {kind.name!r}")
+        raise ConfigurationError(f"job {job_id} is of kind {job.kind!r}, not {kind.name!r}")
     if job_id not in ctx.prepared:
         ctx.prepared[job_id] = kind.prepare(ctx, state, job)
-    shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+    shard = read_shard_input(kind, storage, job_id, shard_index)
 
     items = kind.items(shard)
     done: dict[int, Any] = {}
@@ -152,7 +158,7 @@ def dead_lettered_samples(kind: "JobKind", storage: Storage, job_id: str) -> lis
         letter = DeadLetter.model_validate_json(storage.get(key))
         if letter.shard_index in committed:
             continue
-        shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, letter.shard_index)))
+        shard = read_shard_input(kind, storage, job_id, letter.shard_index)
         failed += [
             FailedConversation(
                 sample_index=item.sample_index,
@@ -186,7 +192,7 @@ def dead_letter(
         worker=ctx.worker,
     )
     try:
-        shard = kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+        shard = read_shard_input(kind, storage, job_id, shard_index)
         samples, tokens = kind.shard_size(shard)
     except ObjectNotFound:
         samples, tokens = 0, 0  # the letter still says why; progress cannot count what was never planned

@@ -20,9 +20,9 @@ from typing import Any, ClassVar, Generic, TypeVar
 import redis
 from pydantic import BaseModel
 
-from shared.capture_protocol import ModelInfo
+from shared.capture_protocol import ModelInfo, default_aux_layer_ids
 from shared.datasets import Conversation
-from shared.errors import Eagle3Error, ModelMismatch
+from shared.errors import ModelMismatch
 from shared.queue import task_name
 from shared.schemas import FailedConversation, JobRecord, JobSpec, ModelRecord
 from shared.settings import Settings
@@ -55,8 +55,6 @@ class Target:
 
     @classmethod
     def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
-        from shared.capture_protocol import default_aux_layer_ids
-
         config = json.loads((path / "config.json").read_text())
         ids = aux_layer_ids or default_aux_layer_ids(int(config["num_hidden_layers"]))
         return cls(path=path, config=config, tokenizer=tokenizer, aux_layer_ids=ids)
@@ -83,10 +81,6 @@ class JobPlan(Generic[InputT]):
     projected_bytes: int
     record: dict[str, Any] = field(default_factory=dict)  # further JobRecord fields of this kind
     files: dict[str, bytes] = field(default_factory=dict)  # storage key -> bytes, written before job.json
-
-
-class Cancelled(Eagle3Error):
-    """The job was cancelled while its shard ran; what is done stays for a resume."""
 
 
 class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):

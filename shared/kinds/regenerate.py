@@ -41,7 +41,7 @@ from shared.errors import (
     SubmitError,
 )
 from shared.inference_client import InferenceClient
-from shared.kinds.base import Cancelled, JobKind, JobPlan, Target, check_served_model
+from shared.kinds.base import JobKind, JobPlan, Target, check_served_model
 from shared.schemas import (
     ChatMessage,
     ConversationEntry,
@@ -58,7 +58,7 @@ from shared.schemas import (
     utc_now,
 )
 from shared.settings import Settings
-from shared.shards import ShardContext, dead_lettered_samples, load_job
+from shared.shards import Cancelled, ShardContext, dead_lettered_samples, load_job
 from shared.storage import Storage, open_storage
 from shared.tokenization import ChatTokenizer
 
