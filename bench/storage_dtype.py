@@ -3,7 +3,7 @@ server (once per `storage_dtype`), bytes per token of what was committed, then a
 same steps and seed, and its measured acceptance on two prompt files that training never saw (`eagle3 eval
 --prompts-file`, with the untrained drafter as the baseline).
 
-    python -m bench.storage_dtype --model smollm2 --conversations 200 --steps 150
+    python -m bench.storage_dtype --model smollm2 --conversations 200 --steps 300
 
 Needs a redis-server binary (the extraction's progress counters); everything else runs in this process and one
 reference-server process, on CPU or the GPU it finds.
@@ -52,11 +52,19 @@ def split_dataset(work: Path, conversations: int, held_out: int) -> tuple[Path, 
     return train_set, prompt_files
 
 
-def extract(job_id: str, storage_dtype: str, dataset: Path, model_dir: Path, settings: Settings, url: str) -> float:
+def extract(
+    job_id: str, storage_dtype: str, dataset: Path, model_dir: Path, settings: Settings, url: str, draft_vocab_size: int
+) -> float:
     """Submit and extract one job in this process; its committed bytes per token."""
     storage = open_storage(settings.storage_url, settings)
     client = redis.Redis.from_url(str(settings.redis_url))
-    spec = JobSpec(dataset_url=str(dataset), model_path=str(model_dir), job_id=job_id, storage_dtype=storage_dtype)
+    spec = JobSpec(
+        dataset_url=str(dataset),
+        model_path=str(model_dir),
+        job_id=job_id,
+        storage_dtype=storage_dtype,
+        draft_vocab_size=draft_vocab_size,
+    )
     job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=lambda *task: None)
     with InferenceClient(url, timeout_s=600, max_concurrency=2, transport="body", shm_dir=settings.home) as inference:
         ctx = shards.ShardContext(storage, client, settings, worker="bench", states={"extract": inference})
@@ -72,8 +80,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a local Hugging Face folder")
     parser.add_argument("--conversations", type=int, default=200, help="training conversations")
     parser.add_argument("--held-out", type=int, default=40, help="conversations for the two prompt files")
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps of each run")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps of each run")
     parser.add_argument("--batch-tokens", type=int, default=1024)
+    parser.add_argument("--draft-vocab-size", type=int, default=2048, help="as the demo: a step CPUs can afford")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-prompts", type=int, default=12, help="prompts per file")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -90,14 +99,20 @@ def main() -> None:
     try:
         time.sleep(0.5)
         settings = Settings(
-            storage_url=(work / "store").as_uri(), redis_url=f"redis://127.0.0.1:{redis_port}/0", home=work / "home"
+            storage_url=(work / "store").as_uri(),
+            redis_url=f"redis://127.0.0.1:{redis_port}/0",
+            home=work / "home",
+            dataset_roots=[str(work)],
+            model_roots=[model_dir.resolve().parent],
         )
         dataset, prompt_files = split_dataset(work, args.conversations, args.held_out)
         results: dict[str, dict[str, Any]] = {}
         with reference_server(model_dir, shm_dir=work, log=work / "server.log") as url:
             for storage_dtype in STORAGE_DTYPES:
                 started = time.monotonic()
-                bytes_per_token = extract(f"bench-{storage_dtype}", storage_dtype, dataset, model_dir, settings, url)
+                bytes_per_token = extract(
+                    f"bench-{storage_dtype}", storage_dtype, dataset, model_dir, settings, url, args.draft_vocab_size
+                )
                 results[storage_dtype] = {"bytes_per_token": bytes_per_token, "extract_s": time.monotonic() - started}
         for storage_dtype in STORAGE_DTYPES:
             config = TrainConfig(
