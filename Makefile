@@ -103,6 +103,8 @@ clean:
 
 # Qualify a SGLang release with the capture plugin: golden check, conformance suite and capture benchmark against a
 # running capture server (docs/sglang.md). SGLANG_SHM_DIR: its shared directory as mounted here (optional).
+# STOCK_URL, BASELINE_URL, REGEN_DATASET (environment) add the stock-launch check, SGLang's own prefill and the
+# regeneration benchmark; scripts/sglang_qualify_launch.sh also starts the servers on a GPU host.
 .PHONY: sglang-qualify
 sglang-qualify: install
 	PY=$(PY) scripts/sglang_qualify.sh $(SGLANG_URL) $(SGLANG_MODEL) $(SGLANG_SHM_DIR)

@@ -100,6 +100,7 @@ class CaptureRun:
     shm_dir: Path | None
     worker_processes: int = 1
     write_concurrency: int = 4
+    torch_threads: int | None = None  # torch's intra-op threads per worker process; None: torch's default
 
 
 def capture_direct_seconds(url: str, work: Workload, run: CaptureRun, label: str) -> float:
@@ -126,6 +127,8 @@ def end_to_end_seconds(url: str, work: Workload, run: CaptureRun, out_dir: Path)
 
 def _write_share(url: str, storage: FileStorage, work: Workload, run: CaptureRun, processes: int, p: int) -> None:
     """One worker process's share: its own client, the in-flight requests split between the processes."""
+    if run.torch_threads is not None:
+        torch.set_num_threads(run.torch_threads)
     with InferenceClient(
         url,
         timeout_s=900,

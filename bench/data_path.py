@@ -27,7 +27,7 @@ from bench.common import bench_job, in_processes
 from shared.capture_protocol import CapturedStates, decode_capture_body, encode_capture_body
 from shared.kinds.extract import commit_sample
 from shared.schemas import JobRecord, SampleInput
-from shared.shard_format import encode_sample, validate_capture
+from shared.shard_format import encode_sample, validate_capture, write_sample
 from shared.storage import open_storage
 
 
@@ -78,16 +78,37 @@ def stage_breakdown(body: bytes, sample: SampleInput, hidden: int, root: Path, r
             received = bytearray(body)
         with timed("decode capture body"):
             (states,) = decode_capture_body(received)
-        with timed("validate"):
+        with timed(f"validate ({torch.get_num_threads()} torch threads)"):
             validate_capture(
                 states.aux_hidden_state, states.hidden_state, num_tokens=len(sample.input_ids), hidden_size=hidden
             )
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # what one of many writer threads can count on when every core is busy
+        with timed("validate (1 torch thread)"):
+            validate_capture(
+                states.aux_hidden_state, states.hidden_state, num_tokens=len(sample.input_ids), hidden_size=hidden
+            )
+        torch.set_num_threads(threads)
         with timed("encode (torch.save to bytes)"):
             data = encode_sample(sample.input_ids, sample.loss_mask, states.aux_hidden_state, states.hidden_state)
         with timed("sha256"):
             hashlib.sha256(data).hexdigest()
         with timed("write (create-only)"):
             storage.put_if_absent(f"stages/{r}.pt", data)
+        with timed("the three above streamed: torch.save into the file, hashed on the way (commit_sample)"):
+            aux_state, hidden_state = states.aux_hidden_state, states.hidden_state
+            storage.put_if_absent_from(
+                f"stages/streamed-{r}.pt",
+                lambda out, a=aux_state, h=hidden_state: write_sample(out, sample.input_ids, sample.loss_mask, a, h),
+            )
+        # For comparison only: the zip checksums torch.save computes (sample files keep them).
+        torch.serialization.set_crc32_options(False)
+        with timed("the same streamed without torch.save's crc32 (comparison, not what the worker writes)"):
+            storage.put_if_absent_from(
+                f"stages/no-crc-{r}.pt",
+                lambda out, a=aux_state, h=hidden_state: write_sample(out, sample.input_ids, sample.loss_mask, a, h),
+            )
+        torch.serialization.set_crc32_options(True)
     return {name: statistics.median(values) for name, values in times.items()}
 
 

@@ -6,7 +6,7 @@ Same prompts, same requests in flight, medians of alternating runs:
 - the same plain requests on the capture server (what arming aux capture costs SGLang itself);
 - the plugin's capture driven directly: the project's InferenceClient, tensors read and dropped, per transport;
 - end to end: the worker's path (capture, validation, encoding, sha256, sample files written create-only) in
-  `--worker-processes` processes sharing the requests in flight, per transport;
+  `--worker-processes` processes sharing the requests in flight (a list: one row per count), per transport;
 - with `--reference`: the reference backend on the same model and GPU (bench/capture.py), after SGLang stopped.
 
 Either the servers run already (`--url` is the capture server, `--baseline-url` a stock one, `--shm-dir` the
@@ -14,7 +14,7 @@ capture server's shared directory as mounted here), or `--launch` starts each in
 have SGLang and the plugin installed (`--sglang-args` go to both launches, e.g. `--mem-fraction-static 0.8`):
 
     python -m bench.sglang_capture --launch --model llama-3.1-8b-random --prompts 48 --prompt-tokens 2048 \\
-        --concurrency 8 --worker-processes 2 --reference --json capture.json
+        --concurrency 8 --worker-processes 2,4,6 --reference --json capture.json
     python -m bench.sglang_capture --url http://gpu:30000 --baseline-url http://gpu:30001 \\
         --shm-dir /dev/shm/eagle3 --model /models/target
 """
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,15 +137,36 @@ def plain_prefill_seconds(url: str, work: Workload, concurrency: int) -> float:
 Measure = tuple[str, Callable[[int], float]]  # (row label, seconds of run r)
 
 
+def cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine since boot, all cores, from /proc/stat; None without it."""
+    try:
+        first_line = Path("/proc/stat").read_text().split("\n", 1)[0]
+    except OSError:
+        return None
+    fields = [int(value) for value in first_line.split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def medians(measures: list[Measure], repeats: int, tokens: int, console: Console) -> dict[str, dict[str, Any]]:
-    """Alternating runs of every measure; tokens/s of the median run, and the runs' seconds."""
+    """Alternating runs of every measure; tokens/s of the median run, the runs' seconds, and how busy the
+    machine's CPUs were during each run (SGLang, client and worker processes together)."""
     seconds: dict[str, list[float]] = {label: [] for label, _ in measures}
+    cpu_busy: dict[str, list[float]] = {label: [] for label, _ in measures}
     for r in range(repeats):
         for label, run in measures:
+            before = cpu_jiffies()
             seconds[label].append(run(r))
+            after = cpu_jiffies()
+            if before and after and after[1] > before[1]:
+                cpu_busy[label].append((after[0] - before[0]) / (after[1] - before[1]))
             console.log(f"run {r + 1}/{repeats} {label}: {tokens / seconds[label][-1]:.0f} tokens/s")
     return {
-        label: {"tokens_s": tokens / statistics.median(runs), "seconds": [round(s, 3) for s in runs]}
+        label: {
+            "tokens_s": tokens / statistics.median(runs),
+            "seconds": [round(s, 3) for s in runs],
+            "cpu_busy": round(statistics.median(cpu_busy[label]), 3) if cpu_busy[label] else None,
+        }
         for label, runs in seconds.items()
     }
 
@@ -161,9 +183,18 @@ def capture_measures(
     for c in args.concurrency:
         measures.append((f"plain requests on the capture server @{c}", _plain(url, work, c)))
         for transport in transports:
-            run = CaptureRun(c, transport, shm_dir, args.worker_processes, args.write_concurrency)
+            run = CaptureRun(c, transport, shm_dir, 1, args.write_concurrency)
             measures.append((f"capture driven directly, {transport} @{c}", _direct(url, work, run)))
-            measures.append((f"end to end, {transport} @{c}", _end_to_end(url, work, run, scratch)))
+            for processes in args.worker_processes:
+                run = replace(run, worker_processes=processes)
+                label = f"end to end, {transport}, {processes} worker processes @{c}"
+                measures.append((label, _end_to_end(url, work, run, scratch)))
+            if args.single_thread_workers:
+                # The most processes once more, each with one torch thread: many writer threads' intra-op thread
+                # pools compete for the cores that SGLang's scheduler also needs.
+                run = replace(run, worker_processes=max(args.worker_processes), torch_threads=1)
+                label = f"end to end, {transport}, {run.worker_processes} worker processes, 1 torch thread each @{c}"
+                measures.append((label, _end_to_end(url, work, run, scratch)))
     return measures
 
 
@@ -194,9 +225,17 @@ def main() -> None:
                         help="requests in flight, e.g. 8 or 8,16; the first is the headline")  # fmt: skip
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["shm", "body"])
     parser.add_argument(
-        "--worker-processes", type=int, default=2, help="worker processes sharing the in-flight requests"
+        "--worker-processes",
+        type=lambda s: [int(p) for p in s.split(",")],
+        default=[2],
+        help="worker processes sharing the in-flight requests (Celery concurrency), e.g. 2 or 2,4,6",
     )
     parser.add_argument("--write-concurrency", type=int, default=4, help="writer threads per worker process")
+    parser.add_argument(
+        "--single-thread-workers",
+        action="store_true",
+        help="one more end-to-end row: the most worker processes, each limited to one torch thread",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--launch", action="store_true", help="start a stock and a capture SGLang server here")
     parser.add_argument("--sglang-args", default="", help="extra sglang.launch_server arguments of both launches")
@@ -210,6 +249,8 @@ def main() -> None:
     args = parser.parse_args()
     if not args.launch and not args.url:
         parser.error("give --url (a running capture server) or --launch")
+    # SIGTERM (a timeout, a job runner) as an exception, so that the servers this run launched are stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args.work.mkdir(parents=True, exist_ok=True)
     console = Console()
 
@@ -252,7 +293,7 @@ def main() -> None:
 
     if args.reference:
         c = args.concurrency[0]
-        run = CaptureRun(c, "shm", None, args.worker_processes, args.write_concurrency)
+        run = CaptureRun(c, "shm", None, max(args.worker_processes), args.write_concurrency)
         scratch = args.work / "reference"
         scratch.mkdir(exist_ok=True)
         rates = reference_rates(
@@ -262,7 +303,8 @@ def main() -> None:
             "tokens_s": rates["bare_prefill_tokens_s"]
         }
         results[f"reference: server driven directly, shm @{c}"] = {"tokens_s": rates["server_direct_tokens_s"]}
-        results[f"reference: end to end, shm @{c}"] = {"tokens_s": rates["end_to_end_tokens_s"]}
+        label = f"reference: end to end, shm, {run.worker_processes} worker processes @{c}"
+        results[label] = {"tokens_s": rates["end_to_end_tokens_s"]}
 
     save()
     print_table(args, config, info, results, console)
@@ -274,6 +316,7 @@ def summary(
     return {
         "model": args.model,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU",
+        "cpus": os.cpu_count(),
         "sglang_version": info.get("sglang_version"),
         "plugin_version": info.get("version"),
         "prompts": args.prompts,
@@ -297,9 +340,9 @@ def print_table(
     table = Table(
         title=f"{args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}) on {device}, "
         f"SGLang {info.get('sglang_version', '?')}: {args.prompts} prompts x {args.prompt_tokens} tokens, "
-        f"{args.worker_processes} worker processes x {args.write_concurrency} writers, median of {args.repeats}"
+        f"{args.write_concurrency} writer threads per worker process, median of {args.repeats}"
     )
-    for column in ("measure", "tokens/s", "ratio to SGLang prefill, capture off"):
+    for column in ("measure", "tokens/s", "ratio to SGLang prefill, capture off", "CPUs busy"):
         table.add_column(column)
     for label, result in results.items():
         concurrency = label.rsplit("@", 1)[1]
@@ -307,7 +350,8 @@ def print_table(
             f"plain requests on the capture server @{concurrency}"
         )
         ratio = f"{result['tokens_s'] / baseline['tokens_s']:.2f}" if baseline else "-"
-        table.add_row(label, f"{result['tokens_s']:.0f}", ratio)
+        busy = f"{result['cpu_busy']:.0%}" if result.get("cpu_busy") is not None else "-"
+        table.add_row(label, f"{result['tokens_s']:.0f}", ratio, busy)
     console.print(table)
 
 

@@ -6,6 +6,9 @@ the regenerated history, sampling parameters and seed per turn, reasoning kept o
 conversations in flight, as one worker's shard. The direct side sends every assistant turn's prompt of that
 output (the same token ids) with the same sampling parameters, `--concurrency` requests in flight, longest first.
 Both count generated tokens (`completion_tokens`). Medians of alternating runs; greedy unless `--temperature`.
+With two or more runs it also says whether every run regenerated the same conversations; with `--seed` and
+`--temperature > 0` that is the job's promise (a reproducible sampled regeneration), and the exit status is 1 if
+the runs differ (SGLang honours seeds only when launched with `--enable-deterministic-inference`).
 
     python -m bench.sglang_regenerate --url http://127.0.0.1:30000 --model-path /models/target \\
         --dataset chats.jsonl --conversations 64 --concurrency 16 --max-new-tokens 256
@@ -17,6 +20,7 @@ server sends none), so the capture container's default `--skip-tokenizer-init` w
 import argparse
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -162,10 +166,12 @@ def main() -> None:
         if args.seed is not None and args.temperature > 0:
             params["sampling_seed"] = args.seed
         job_rates, direct_rates, outcomes = [], [], []
+        regenerated: list[dict[str, list[ChatMessage] | None]] = []  # each run's conversations by sample id
         job_run(client, conversations[: args.concurrency], job, renderer, info.max_context_length, args.concurrency)
         for r in range(args.repeats):
             seconds, results = job_run(client, conversations, job, renderer, info.max_context_length, args.concurrency)
             outcomes.append(outcome(results))
+            regenerated.append({result.sample_id: result.messages for result in results})
             job_rates.append(outcomes[-1]["generated_tokens"] / seconds)
             direct_seconds, generated = direct_run(client, turn_prompts(results, renderer), params, args.concurrency)
             direct_rates.append(generated / direct_seconds)
@@ -185,6 +191,8 @@ def main() -> None:
         )
 
     direct, job_rate = statistics.median(direct_rates), statistics.median(job_rates)
+    identical = all(run == regenerated[0] for run in regenerated[1:]) if len(regenerated) > 1 else None
+    seeded = args.seed is not None and args.temperature > 0
     table = Table(
         title=f"{info.model_path} on {info.backend} {info.sglang_version or info.version}: {len(conversations)} "
         f"conversations, max_new_tokens {args.max_new_tokens}, {json.dumps(params)}, {args.concurrency} in flight, "
@@ -198,6 +206,9 @@ def main() -> None:
     )
     console.print(table)
     console.print(f"job outcome (last run): {outcomes[-1]}; with reasoning {other}: {outcome(other_results)}")
+    if identical is not None:
+        verdict = "the same" if identical else "DIFFERENT"
+        console.print(f"the {len(regenerated)} runs regenerated {verdict} conversations")
     if args.json:
         summary = {
             "url": args.url,
@@ -213,8 +224,11 @@ def main() -> None:
             "job_runs": job_rates,
             "outcomes": outcomes,
             f"outcome_reasoning_{other}": outcome(other_results),
+            "runs_identical": identical,
         }
         args.json.write_text(json.dumps(summary, indent=2))
+    if seeded and identical is False:
+        sys.exit("a seeded sampled regeneration gave different conversations in two runs")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ whole fp8 range. `decode_sample` returns bf16 tensors either way: value = float(
 """
 
 import io
+from typing import Protocol
 
 import torch
 
@@ -85,6 +86,13 @@ def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return grouped.reshape(*lead, width).to(HIDDEN_DTYPE)
 
 
+class ByteStream(Protocol):
+    """What torch.save writes to: a binary stream with write and flush (io.BytesIO, a file, a hashing writer)."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> int: ...
+    def flush(self) -> None: ...
+
+
 def encode_sample(
     input_ids: list[int],
     loss_mask: list[int],
@@ -93,6 +101,21 @@ def encode_sample(
     *,
     storage_dtype: StorageDtype = "bfloat16",
 ) -> bytes:
+    buffer = io.BytesIO()
+    write_sample(buffer, input_ids, loss_mask, aux_hidden_state, hidden_state, storage_dtype=storage_dtype)
+    return buffer.getvalue()
+
+
+def write_sample(
+    out: ByteStream,
+    input_ids: list[int],
+    loss_mask: list[int],
+    aux_hidden_state: torch.Tensor,
+    hidden_state: torch.Tensor,
+    *,
+    storage_dtype: StorageDtype = "bfloat16",
+) -> None:
+    """The sample file's bytes, written to `out` as torch.save produces them (what encode_sample returns)."""
     record = {
         "input_ids": torch.tensor(input_ids, dtype=torch.long),  # [L]
         "loss_mask": torch.tensor(loss_mask, dtype=torch.long),  # [L]
@@ -110,9 +133,7 @@ def encode_sample(
             record[f"{field}_scale"] = scale.unsqueeze(0)  # [1, L, groups]
     else:
         raise ValueError(f"storage_dtype {storage_dtype!r}: expected 'bfloat16' or 'fp8_e4m3'")
-    buffer = io.BytesIO()
-    torch.save(record, buffer)
-    return buffer.getvalue()
+    torch.save(record, out)  # a stream: torch.save needs only its write and flush
 
 
 def decode_sample(data: bytes) -> dict[str, torch.Tensor]:

@@ -8,6 +8,9 @@ Notable:
   the multipart threshold; atomic on AWS S3 and MinIO). SeaweedFS checks the precondition before writing, so two
   simultaneous creates can both land; a writer whose object was replaced learns it from the ETag and reports False,
   and the stored bytes always belong to a writer told True.
+- `put_if_absent_from` is the same create-only write for an object that a function writes as a stream (a sample
+  file straight from `torch.save`): the bytes go to the file as they come, hashed on the way, so a 64 MB object
+  is neither buffered in memory first nor read back to be hashed (S3 buffers it: a PUT needs the whole body).
 - Outages (unreachable, throttled, timed out, full, missing bucket, bad credentials) raise
   `StorageUnavailable`, which tasks retry with backoff; a missing object raises `ObjectNotFound`;
   a request the store refuses for good (an object too large) raises `StorageRejected`.
@@ -16,6 +19,7 @@ Notable:
 """
 
 import errno
+import hashlib
 import io
 import logging
 import math
@@ -24,9 +28,10 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import unquote, urlparse
@@ -73,11 +78,47 @@ class StorageRejected(Eagle3Error):
     """The store refused a request for a reason that a retry cannot fix (e.g. EntityTooLarge)."""
 
 
+@dataclass(frozen=True)
+class ObjectDigest:
+    """The size and sha256 of an object's bytes, as a manifest records them."""
+
+    size_bytes: int
+    sha256: str
+
+    @classmethod
+    def of(cls, data: bytes) -> "ObjectDigest":
+        return cls(len(data), hashlib.sha256(data).hexdigest())
+
+
+class HashingWriter:
+    """A write-only binary stream that hands each chunk to `sink` and keeps the sha256 and size of all of them."""
+
+    def __init__(self, sink: Callable[[memoryview], object]) -> None:
+        self._sink = sink
+        self._sha256 = hashlib.sha256()
+        self._size_bytes = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        # The chunk may be a view of the caller's memory that is valid only during this call (torch.save's is).
+        view = memoryview(data).cast("B")
+        self._sha256.update(view)
+        self._sink(view)
+        self._size_bytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        """Nothing is held here; torch.save calls it once at the end."""
+
+    def digest(self) -> ObjectDigest:
+        return ObjectDigest(self._size_bytes, self._sha256.hexdigest())
+
+
 class Storage(Protocol):
     url: str  # the root URL it was opened with
 
     def put(self, key: str, data: bytes) -> None: ...
     def put_if_absent(self, key: str, data: bytes) -> bool: ...
+    def put_if_absent_from(self, key: str, write: Callable[[HashingWriter], None]) -> ObjectDigest | None: ...
     def get(self, key: str) -> bytes: ...
     def exists(self, key: str) -> bool: ...
     def size(self, key: str) -> int: ...
@@ -173,7 +214,7 @@ class FileStorage:
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         with self._os_errors(key, "put"):
-            tmp = self._write_temp(path, data)
+            tmp = self._write_temp(path, lambda fd: _write_all(fd, memoryview(data)))
             try:
                 os.replace(tmp, path)
             except BaseException:
@@ -185,17 +226,37 @@ class FileStorage:
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = self._path(key)
         with self._os_errors(key, "put_if_absent"):
-            tmp = self._write_temp(path, data)
-            try:
-                # link() fails if the name exists, so readers see either nothing or the whole fsynced file.
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            finally:
-                tmp.unlink(missing_ok=True)
-            if self.fsync:
-                _fsync_dir(path.parent)
-            return True
+            tmp = self._write_temp(path, lambda fd: _write_all(fd, memoryview(data)))
+            return self._link_new(tmp, path)
+
+    def put_if_absent_from(self, key: str, write: Callable[[HashingWriter], None]) -> ObjectDigest | None:
+        """Create `key` from what `write` writes into the stream it is given; its digest, or None if `key` exists
+        (the stream was written and thrown away then). The bytes go straight to the temp file, hashed on the way."""
+        path = self._path(key)
+        with self._os_errors(key, "put_if_absent"):
+            digest: ObjectDigest | None = None
+
+            def fill(fd: int) -> None:
+                nonlocal digest
+                writer = HashingWriter(lambda view: _write_all(fd, view))
+                write(writer)
+                digest = writer.digest()
+
+            tmp = self._write_temp(path, fill)
+            return digest if self._link_new(tmp, path) else None
+
+    def _link_new(self, tmp: Path, path: Path) -> bool:
+        """Publish a complete temp file under `path` unless that exists; the temp file is removed either way."""
+        try:
+            # link() fails if the name exists, so readers see either nothing or the whole fsynced file.
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        if self.fsync:
+            _fsync_dir(path.parent)
+        return True
 
     def get(self, key: str) -> bytes:
         path = self._path(key)
@@ -259,17 +320,14 @@ class FileStorage:
     def _path(self, key: str) -> Path:
         return self.root / validate_key(key)
 
-    def _write_temp(self, path: Path, data: bytes) -> Path:
-        """Write data to a temp file next to path and fsync it, so a rename or link publishes complete bytes."""
+    def _write_temp(self, path: Path, fill: Callable[[int], None]) -> Path:
+        """A temp file next to path, written by `fill` through its descriptor and fsynced, so that a rename or
+        link publishes complete bytes."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{RESERVED_PREFIX}{path.name}.{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            view = memoryview(data)
-            while view:
-                # os.write may write less than asked (and at most ~2 GiB per call on Linux).
-                written = os.write(fd, view)
-                view = view[written:]
+            fill(fd)
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -288,6 +346,13 @@ class FileStorage:
             if reason is None:
                 raise
             raise StorageUnavailable(f"file storage {self.url}: {op} {key!r} failed: {reason} ({exc})") from exc
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        # os.write may write less than asked (and at most ~2 GiB per call on Linux).
+        written = os.write(fd, view)
+        view = view[written:]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -425,6 +490,13 @@ class S3Storage:
                         raise
                     logger.warning("s3 create-only write conflict key=%s attempt=%d, retrying", name, attempt)
                     time.sleep(0.1 * 2**attempt)
+
+    def put_if_absent_from(self, key: str, write: Callable[[HashingWriter], None]) -> ObjectDigest | None:
+        """As FileStorage.put_if_absent_from; the object is buffered here, since a PUT sends a whole body."""
+        buffer = io.BytesIO()
+        writer = HashingWriter(buffer.write)
+        write(writer)
+        return writer.digest() if self.put_if_absent(key, buffer.getvalue()) else None
 
     def get(self, key: str) -> bytes:
         name = self._name(key)

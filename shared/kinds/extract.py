@@ -6,7 +6,6 @@
   then describe the shard in a manifest. All or nothing: a failed shard leaves none of the files it created.
 """
 
-import hashlib
 import threading
 import time
 import uuid
@@ -22,9 +21,9 @@ from shared.kinds.base import JobKind, JobPlan, Target, check_served_model
 from shared.provenance import compute_provenance
 from shared.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput, StorageDtype
 from shared.settings import Settings
-from shared.shard_format import InvalidCapture, encode_sample, validate_capture
+from shared.shard_format import InvalidCapture, validate_capture, write_sample
 from shared.shards import ShardContext
-from shared.storage import Storage
+from shared.storage import ObjectDigest, Storage
 from shared.tokenization import TokenizedSample
 from shared.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
 
@@ -57,14 +56,19 @@ def plan_shards(samples: list[TokenizedSample], token_budget: int) -> list[list[
 
 def describe_sample(sample: SampleInput, key: str, data: bytes) -> ManifestSample:
     """A sample file's manifest entry: where it is, its token counts, size and sha256."""
+    return describe_stored(sample, key, ObjectDigest.of(data))
+
+
+def describe_stored(sample: SampleInput, key: str, digest: ObjectDigest) -> ManifestSample:
+    """The manifest entry of a sample file whose size and sha256 are known (hashed while it was written)."""
     return ManifestSample(
         sample_index=sample.sample_index,
         sample_id=sample.sample_id,
         key=key,
         num_tokens=len(sample.input_ids),
         loss_tokens=sum(sample.loss_mask),
-        bytes=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        bytes=digest.size_bytes,
+        sha256=digest.sha256,
     )
 
 
@@ -72,7 +76,8 @@ def commit_sample(
     storage: Storage, job: JobRecord, shard_index: int, sample: SampleInput, states: CapturedStates
 ) -> tuple[ManifestSample, bool]:
     """Validate, encode, hash and write one sample file create-only; True if this call created it.
-    Runs in the writer pool, so the next captures keep arriving while this one is written."""
+    Runs in the writer pool, so the next captures keep arriving while this one is written. torch.save's output
+    streams into the file and is hashed on the way: no 64 MB copy in memory, no second pass to hash it."""
     try:
         validate_capture(
             states.aux_hidden_state, states.hidden_state, num_tokens=len(sample.input_ids), hidden_size=job.hidden_size
@@ -80,15 +85,19 @@ def commit_sample(
     except InvalidCapture as exc:
         raise ShardValidationError(job.job_id, shard_index, sample.sample_id, exc.field, exc.reason) from exc
     key = layout.sample(job.job_id, sample.sample_index)
-    data = encode_sample(
-        sample.input_ids,
-        sample.loss_mask,
-        states.aux_hidden_state,
-        states.hidden_state,
-        storage_dtype=job.spec.storage_dtype,
+    digest = storage.put_if_absent_from(
+        key,
+        lambda out: write_sample(
+            out,
+            sample.input_ids,
+            sample.loss_mask,
+            states.aux_hidden_state,
+            states.hidden_state,
+            storage_dtype=job.spec.storage_dtype,
+        ),
     )
-    if storage.put_if_absent(key, data):
-        return describe_sample(sample, key, data), True
+    if digest is not None:
+        return describe_stored(sample, key, digest), True
     # A concurrent duplicate delivery wrote it first: describe what is stored, which the manifest must match.
     return describe_sample(sample, key, storage.get(key)), False
 

@@ -17,7 +17,9 @@ from shared.errors import Eagle3Error, StorageUnavailable
 from shared.settings import Settings
 from shared.storage import (
     FileStorage,
+    HashingWriter,
     InvalidKey,
+    ObjectDigest,
     ObjectNotFound,
     S3Storage,
     Storage,
@@ -120,6 +122,32 @@ def test_put_if_absent_keeps_first_content(storage: Storage) -> None:
     assert storage.put_if_absent(key, b'{"writer": 1}') is True
     assert storage.put_if_absent(key, b'{"writer": 2}') is False
     assert storage.get(key) == b'{"writer": 1}'
+
+
+def test_put_if_absent_from_stores_the_stream_and_its_digest(storage: Storage) -> None:
+    key = "job-1/samples/000000.pt"
+    chunks = [payload(1, 3 * MiB), payload(2, 1), memoryview(payload(3, 5000))]  # the shapes torch.save hands over
+
+    digest = storage.put_if_absent_from(key, lambda out: [out.write(chunk) for chunk in chunks])
+    again = storage.put_if_absent_from(key, lambda out: out.write(b"second writer"))
+
+    stored = storage.get(key)
+    assert stored == b"".join(bytes(chunk) for chunk in chunks)
+    assert digest == ObjectDigest.of(stored)
+    assert again is None  # create-only: the first stream stays
+    assert storage.get(key) == stored
+
+
+def test_a_stream_that_fails_creates_nothing(storage: Storage) -> None:
+    def fail_halfway(out: HashingWriter) -> None:
+        out.write(payload(4, MiB))
+        raise RuntimeError("torch.save failed")
+
+    with pytest.raises(RuntimeError, match=r"torch\.save failed"):
+        storage.put_if_absent_from("job-1/samples/000001.pt", fail_halfway)
+
+    assert not storage.exists("job-1/samples/000001.pt")
+    assert storage.list("job-1/") == []
 
 
 def test_concurrent_put_if_absent_has_one_winner(storage: Storage) -> None:
@@ -235,14 +263,23 @@ def test_file_storage_leaves_no_temp_files(tmp_path: Path) -> None:
     storage.put("job-1/a", b"1")
     storage.put_if_absent("job-1/b", b"2")
     storage.put_if_absent("job-1/b", b"3")
+    storage.put_if_absent_from("job-1/c", lambda out: out.write(b"4"))
+    storage.put_if_absent_from("job-1/c", lambda out: out.write(b"5"))
     storage.check()
-    assert sorted(p.name for p in (tmp_path / "root" / "job-1").iterdir()) == ["a", "b"]
+    assert sorted(p.name for p in (tmp_path / "root" / "job-1").iterdir()) == ["a", "b", "c"]
     assert list((tmp_path / "root").iterdir()) == [tmp_path / "root" / "job-1"]
 
 
-@pytest.mark.parametrize("method", ["put", "put_if_absent"])
+@pytest.mark.parametrize(
+    ("method", "content"),
+    [
+        pytest.param("put", b"data", id="put"),
+        pytest.param("put_if_absent", b"data", id="put_if_absent"),
+        pytest.param("put_if_absent_from", lambda out: out.write(b"data"), id="put_if_absent_from"),
+    ],
+)
 def test_file_storage_disk_full_is_storage_unavailable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, content: object
 ) -> None:
     # No tmpfs can be mounted here, so ENOSPC is simulated at os.write; this checks the mapping and the cleanup.
     storage = open_storage((tmp_path / "root").as_uri())
@@ -253,7 +290,7 @@ def test_file_storage_disk_full_is_storage_unavailable(
 
     monkeypatch.setattr(os, "write", write_enospc)
     with pytest.raises(StorageUnavailable, match=r"job-1/new.*disk full"):
-        getattr(storage, method)("job-1/new", b"data")
+        getattr(storage, method)("job-1/new", content)
     with pytest.raises(StorageUnavailable, match="disk full"):
         storage.check()
     monkeypatch.undo()

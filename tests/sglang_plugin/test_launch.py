@@ -33,6 +33,7 @@ def test_defaults_capture_eagle3_layers_without_prefix_cache_or_chunking(model_d
     assert values_after(argv, "--return-aux-hidden-state-layer-ids", 3) == ["1", "15", "28"]
     assert "--disable-prefill-cuda-graph" in argv
     assert "--mem-fraction-static" not in argv
+    assert "--enable-deterministic-inference" not in argv
 
 
 def test_settings_and_extra_arguments_reach_sglang(model_dir: Path) -> None:
@@ -44,6 +45,7 @@ def test_settings_and_extra_arguments_reach_sglang(model_dir: Path) -> None:
         "EAGLE3_SGLANG_MEM_FRACTION_STATIC": "0.8",
         "EAGLE3_SGLANG_SKIP_TOKENIZER_INIT": "0",
         "EAGLE3_SGLANG_PREFILL_CUDA_GRAPH": "1",
+        "EAGLE3_SGLANG_DETERMINISTIC_INFERENCE": "1",
     }
 
     argv = launch_argv(environ, ["--log-level", "debug"])
@@ -52,6 +54,7 @@ def test_settings_and_extra_arguments_reach_sglang(model_dir: Path) -> None:
     assert values_after(argv, "--return-aux-hidden-state-layer-ids", 3) == ["2", "10", "20"]
     assert values_after(argv, "--mem-fraction-static") == ["0.8"]
     assert "--skip-tokenizer-init" not in argv and "--disable-prefill-cuda-graph" not in argv
+    assert "--enable-deterministic-inference" in argv  # seeded sampling repeats only in this mode
     assert argv[-2:] == ["--log-level", "debug"]
 
 

@@ -123,7 +123,13 @@ def launch_fields() -> list[str]:
 
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps({"num_hidden_layers": 32}))
-        argv = launch_argv({"EAGLE3_MODEL_PATH": model_dir, "EAGLE3_SGLANG_MEM_FRACTION_STATIC": "0.8"})
+        # Every optional flag switched on, so that each is checked.
+        environ = {
+            "EAGLE3_MODEL_PATH": model_dir,
+            "EAGLE3_SGLANG_MEM_FRACTION_STATIC": "0.8",
+            "EAGLE3_SGLANG_DETERMINISTIC_INFERENCE": "1",
+        }
+        argv = launch_argv(environ)
     return [arg[2:].replace("-", "_") for arg in argv if arg.startswith("--")]
 
 

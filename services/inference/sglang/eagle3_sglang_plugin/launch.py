@@ -13,6 +13,11 @@ Every flag below exists in SGLang v0.5.23 (`python/sglang/srt/arg_groups/fields/
 - `--disable-prefill-cuda-graph` (unless EAGLE3_SGLANG_PREFILL_CUDA_GRAPH=1): the prefill graph's outputs are
   views of static buffers, and the post-norm rows are read after the forward; eager prefill takes that risk away
   at a small cost for the long prompts of a capture job.
+- `--enable-deterministic-inference` (only when EAGLE3_SGLANG_DETERMINISTIC_INFERENCE=1): SGLang 0.5.23 reads a
+  request's `sampling_seed` only in this mode (`sampling/sampling_batch_info.py`); without it two requests with
+  the same seed sample different tokens. A regeneration job with `temperature > 0` and a `seed` is reproducible
+  only on such a server. The mode swaps in batch-invariant kernels (`batch_invariant_ops`) and forces the
+  pytorch sampling backend, so it is off by default: capture jobs and greedy decoding do not need it.
 
 Environment (EAGLE3_ prefix, as the rest of the project):
   EAGLE3_MODEL_PATH          model folder inside the container (default /models/target)
@@ -23,6 +28,7 @@ Environment (EAGLE3_ prefix, as the rest of the project):
   EAGLE3_SGLANG_MEM_FRACTION_STATIC   passed as --mem-fraction-static when set
   EAGLE3_SGLANG_SKIP_TOKENIZER_INIT   1 (default) or 0 to keep SGLang's tokenizer (text prompts, decoded text)
   EAGLE3_SGLANG_PREFILL_CUDA_GRAPH    0 (default) or 1
+  EAGLE3_SGLANG_DETERMINISTIC_INFERENCE   0 (default) or 1: seeded sampling repeats (see above)
 """
 
 import json
@@ -95,6 +101,8 @@ def launch_argv(environ: Mapping[str, str], extra_args: Sequence[str] = ()) -> l
         argv.append("--skip-tokenizer-init")
     if not _flag(environ, "EAGLE3_SGLANG_PREFILL_CUDA_GRAPH", False):
         argv.append("--disable-prefill-cuda-graph")
+    if _flag(environ, "EAGLE3_SGLANG_DETERMINISTIC_INFERENCE", False):
+        argv.append("--enable-deterministic-inference")
     if mem_fraction := environ.get("EAGLE3_SGLANG_MEM_FRACTION_STATIC", "").strip():
         argv += ["--mem-fraction-static", mem_fraction]
     return [*argv, *extra_args]
