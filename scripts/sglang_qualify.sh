@@ -20,7 +20,7 @@
 # OpenAI-messages JSONL), REGEN_ARGS (more bench/sglang_regenerate.py arguments), OUT (the report folder, default
 # qualify-<time>). Exit status 0 only if every step that ran passed.
 set -uo pipefail
-if [ $# -lt 2 ]; then sed -n '2,23p' "$0"; exit 2; fi
+if [ $# -lt 2 ]; then sed -n '2,21p' "$0"; exit 2; fi
 url=$1 model=$2 shm=${3:-}
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-qualify-$(date -u +%Y%m%d-%H%M%S)}
