@@ -6,7 +6,8 @@ Same prompts, same requests in flight, medians of alternating runs:
 - the same plain requests on the capture server (what arming aux capture costs SGLang itself);
 - the plugin's capture driven directly: the project's InferenceClient, tensors read and dropped, per transport;
 - end to end: the worker's path (capture, validation, encoding, sha256, sample files written create-only) in
-  `--worker-processes` processes sharing the requests in flight (a list: one row per count), per transport;
+  `--worker-processes` processes sharing the requests in flight, per transport (a list: one row per count; each
+  process keeps concurrency // count requests in flight, so counts that divide `--concurrency` keep its total);
 - with `--reference`: the reference backend on the same model and GPU (bench/capture.py), after SGLang stopped.
 
 Either the servers run already (`--url` is the capture server, `--baseline-url` a stock one, `--shm-dir` the
@@ -14,7 +15,7 @@ capture server's shared directory as mounted here), or `--launch` starts each in
 have SGLang and the plugin installed (`--sglang-args` go to both launches, e.g. `--mem-fraction-static 0.8`):
 
     python -m bench.sglang_capture --launch --model llama-3.1-8b-random --prompts 48 --prompt-tokens 2048 \\
-        --concurrency 8 --worker-processes 2,4,6 --reference --json capture.json
+        --concurrency 8 --worker-processes 2,4,8 --reference --json capture.json
     python -m bench.sglang_capture --url http://gpu:30000 --baseline-url http://gpu:30001 \\
         --shm-dir /dev/shm/eagle3 --model /models/target
 """
@@ -228,7 +229,7 @@ def main() -> None:
         "--worker-processes",
         type=lambda s: [int(p) for p in s.split(",")],
         default=[2],
-        help="worker processes sharing the in-flight requests (Celery concurrency), e.g. 2 or 2,4,6",
+        help="worker processes sharing the in-flight requests (Celery concurrency), e.g. 2 or 2,4,8",
     )
     parser.add_argument("--write-concurrency", type=int, default=4, help="writer threads per worker process")
     parser.add_argument(
