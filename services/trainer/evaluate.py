@@ -311,10 +311,13 @@ def acceptance_table(report: dict[str, Any]) -> Table:
     table.add_column("acceptance per draft position")
     table.add_column("matches greedy")
     table.add_column("wall s", justify="right")
+    files = {row["file"] for row in report["results"]}
+    # A folder path makes the table unreadable in a terminal; the file name says it when the names differ.
+    short_names = len({Path(file).name for file in files}) == len(files)
     for row in report["results"]:
         low, high = row["acceptance_length_ci95"]
         table.add_row(
-            row["file"],
+            Path(row["file"]).name if short_names else row["file"],
             row["drafter"],
             str(row["prompts"]),
             str(row["new_tokens"]),
