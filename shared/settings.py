@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     redelivery_sweep_s: float = Field(default=30.0, gt=0, description="how often workers look for lost shards")
     task_max_retries: int = 5
     retry_backoff_max_s: int = 300
+    storage_full_retry_s: float = Field(
+        default=30.0, gt=0, description="a shard that found storage full runs again after this, spending no attempt"
+    )
     soft_shutdown_timeout_s: float = 60.0
     worker_heartbeat_file: Path = Path("/tmp/eagle3-worker-heartbeat")
     worker_heartbeat_interval_s: float = Field(default=15.0, gt=0, description="liveness file touch period")

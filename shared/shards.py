@@ -2,7 +2,8 @@
 
 already committed -> cancelled -> load the job -> check the served model (once per job and process) -> load the
 shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest create-only and count
-it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason.
+it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason; a full
+store pauses the job (progress state `paused`, with the reason) instead of failing the shard.
 
 Every step is idempotent, so a redelivered or duplicated task never produces a second or a torn shard.
 """
@@ -16,7 +17,7 @@ import redis
 from pydantic import BaseModel
 
 from shared import layout, progress
-from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
+from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound, StorageFull
 from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage
@@ -92,6 +93,20 @@ def _outcome(manifest: Any, status: Literal["committed", "already_committed"], s
 
 
 def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
+    try:
+        return _run_shard(kind, job_id, shard_index, ctx)
+    except StorageFull as exc:
+        # Not this shard's fault: the job is paused, with the reason in its progress, until a shard commits again.
+        # The task runs the shard again later without spending an attempt (services/worker/tasks.py).
+        logger.warning("job=%s shard=%d paused: %s", job_id, shard_index, exc)
+        try:
+            progress.record_pause(ctx.redis, job_id, f"storage full: {exc}")
+        except redis.RedisError as redis_exc:
+            logger.warning("cannot record the pause of job %s: %s", job_id, redis_exc)
+        raise
+
+
+def _run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
     started, started_at = time.monotonic(), utc_now()
     storage, client = ctx.storage, ctx.redis
     state = ctx.state(kind)

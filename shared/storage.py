@@ -9,7 +9,8 @@ Notable:
   simultaneous creates can both land; a writer whose object was replaced learns it from the ETag and reports False,
   and the stored bytes always belong to a writer told True.
 - Outages (unreachable, throttled, timed out, full, missing bucket, bad credentials) raise
-  `StorageUnavailable`, which tasks retry with backoff; a missing object raises `ObjectNotFound`;
+  `StorageUnavailable`, which tasks retry with backoff (`StorageFull`, a subclass, pauses the job until there is
+  room: shared/shards.py); a missing object raises `ObjectNotFound`;
   a request the store refuses for good (an object too large) raises `StorageRejected`.
 - One boto3 client per process, created lazily and dropped in a forked child, because Celery's
   prefork pool forks after import and a client's connection pool must not cross a fork.
@@ -44,7 +45,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
+from shared.errors import ConfigurationError, Eagle3Error, StorageFull, StorageUnavailable
 from shared.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ _UNAVAILABLE_ERRNOS = {
     errno.EROFS: "read-only file system",
     errno.EIO: "I/O error",
 }
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 class FileStorage:
@@ -287,7 +289,8 @@ class FileStorage:
             reason = _UNAVAILABLE_ERRNOS.get(exc.errno or 0)
             if reason is None:
                 raise
-            raise StorageUnavailable(f"file storage {self.url}: {op} {key!r} failed: {reason} ({exc})") from exc
+            error = StorageFull if exc.errno in _FULL_ERRNOS else StorageUnavailable
+            raise error(f"file storage {self.url}: {op} {key!r} failed: {reason} ({exc})") from exc
 
 
 def _fsync_dir(path: Path) -> None:
@@ -542,7 +545,7 @@ class S3Storage:
                 ) from exc
             # Before the 403 test: some servers answer QuotaExceeded with 403.
             if code in _FULL_CODES or status == 507:
-                raise StorageUnavailable(f"{what}: storage full ({code}: {message})") from exc
+                raise StorageFull(f"{what}: storage full ({code}: {message})") from exc
             if code in _THROTTLED_CODES or status in (500, 502, 503, 504):
                 raise StorageUnavailable(f"{what}: throttled or unavailable ({code}, HTTP {status})") from exc
             if code in _CREDENTIAL_CODES or status == 403:

@@ -11,10 +11,11 @@ from typing import Any
 
 import redis
 from celery import Task
+from celery.exceptions import Retry
 
 from services.worker.celery_app import app, settings
 from shared import shards
-from shared.errors import TransientError
+from shared.errors import StorageFull, TransientError
 from shared.kinds import KINDS, JobKind
 from shared.storage import open_storage
 
@@ -75,7 +76,16 @@ def register(kind: JobKind) -> Task:
         max_retries=settings.task_max_retries,
     )
     def run_shard(self: ShardTask, job_id: str, shard_index: int) -> dict:
-        return shards.run_shard(self.kind, job_id, shard_index, context()).model_dump()
+        try:
+            return shards.run_shard(self.kind, job_id, shard_index, context()).model_dump()
+        except StorageFull as exc:
+            # A full store is no fault of the shard's: it waits for room however long that takes, spending no attempt
+            # (the same retry count goes with it), so the job goes on by itself once there is room.
+            countdown = settings.storage_full_retry_s
+            self.apply_async(
+                args=[job_id, shard_index], task_id=self.request.id, countdown=countdown, retries=self.request.retries
+            )
+            raise Retry(exc=exc, when=countdown) from exc
 
     return run_shard
 
