@@ -2,8 +2,9 @@
 
 already committed -> cancelled -> load the job -> check the served model (once per job and process) -> load the
 shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest create-only and count
-it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason; a full
-store pauses the job (progress state `paused`, with the reason) instead of failing the shard.
+it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason. Storage
+that is full, or still unreachable after the retries, pauses the job instead (progress state `paused`, with the
+reason): the shard waits for storage, which is also where a dead letter would have to go.
 
 Every step is idempotent, so a redelivered or duplicated task never produces a second or a torn shard.
 """
@@ -96,14 +97,19 @@ def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext)
     try:
         return _run_shard(kind, job_id, shard_index, ctx)
     except StorageFull as exc:
-        # Not this shard's fault: the job is paused, with the reason in its progress, until a shard commits again.
-        # The task runs the shard again later without spending an attempt (services/worker/tasks.py).
-        logger.warning("job=%s shard=%d paused: %s", job_id, shard_index, exc)
-        try:
-            progress.record_pause(ctx.redis, job_id, f"storage full: {exc}")
-        except redis.RedisError as redis_exc:
-            logger.warning("cannot record the pause of job %s: %s", job_id, redis_exc)
+        # Not this shard's fault, and no retry soon will help: the task runs the shard again later without spending
+        # an attempt (services/worker/tasks.py).
+        pause(ctx, job_id, shard_index, f"storage full: {exc}")
         raise
+
+
+def pause(ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> None:
+    """The shard waits for storage: the job's state is `paused` with this reason until a shard commits again."""
+    logger.warning("job=%s shard=%d paused: %s", job_id, shard_index, reason)
+    try:
+        progress.record_pause(ctx.redis, job_id, reason)
+    except redis.RedisError as exc:
+        logger.warning("cannot record the pause of job %s: %s", job_id, exc)
 
 
 def _run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:

@@ -127,9 +127,7 @@ def test_unreachable_redis_is_a_clear_503(tmp_path: Path, tiny_model_dir: Path) 
         assert api.enqueued == []
 
 
-def test_every_endpoint_answers_503_with_retry_after_while_redis_is_down(
-    tmp_path: Path, tiny_model_dir: Path
-) -> None:
+def test_every_endpoint_answers_503_with_retry_after_while_redis_is_down(tmp_path: Path, tiny_model_dir: Path) -> None:
     port = free_port()
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     server = subprocess.Popen([*argv, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)

@@ -130,10 +130,10 @@ def get_failed(job_id: JobIdPath, storage: StorageDep) -> list[FailedConversatio
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
-def cancel_job(job_id: JobIdPath, settings: SettingsDep, client: RedisDep) -> Progress:
+def cancel_job(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> Progress:
     """Queued shards are skipped; shards already running finish and stay committed."""
     try:
-        progress.cancel(client, job_id)
+        jobs.cancel(job_id, storage=storage, client=client)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
     return _progress(job_id, settings, client)
