@@ -93,7 +93,11 @@ def take_over_stalled_publishing(
         if enqueued is None:  # Redis lost the job meanwhile: the Redis-loss recovery publishes it
             client.zrem(PUBLISHING, job_id)
             continue
-        job = load_job(storage, job_id)
+        try:
+            job = load_job(storage, job_id)
+        except JobNotFound:  # deleted from storage since: nothing left to enqueue
+            client.zrem(PUBLISHING, job_id)
+            continue
         sent = publish(storage, client, job, enqueue=enqueue, start=int(enqueued))
         logger.warning(
             "job %s: its producer stopped after enqueueing %d of %d shards (no progress for %.0fs); "
