@@ -9,14 +9,16 @@ its producer; a reaper takes it over and enqueues the rest, so a planned job is 
 sent twice (the producer died between an enqueue and its checkpoint) runs once: commits are create-only.
 
 Redis lost. Every published job has an entry in storage's job index (`_jobs/{job_id}`), and Redis holds a marker key
-(`eagle3:state-marker`) from the first reaper on. A reaper that finds the marker gone knows Redis lost its state
-(restarted without persistence, flushed). Under a lock, one worker re-registers every indexed job that Redis does not
-know, recounts its progress from the manifests and dead letters, and publishes its unfinished shards as above; a job
-cancelled before (its `cancelled` object in storage) stays cancelled, dead-lettered shards stay dead-lettered (an
-operator's `eagle3 resume` runs them). Then it writes the marker. `eagle3 resume JOB` does the same for one job.
+(`eagle3:state-marker`, a random value) that every worker reads when it starts. A reaper that finds the marker gone
+or changed knows Redis lost its state since (restarted without persistence, flushed). Under a lock, one worker
+re-registers every indexed job that Redis does not know, recounts its progress from the manifests and dead letters,
+and publishes its unfinished shards as above; a job cancelled before (its `cancelled` object in storage) stays
+cancelled, dead-lettered shards stay dead-lettered (an operator's `eagle3 resume` runs them). `eagle3 resume JOB`
+does the same for one job, and is what a Redis needs that lost its state while no worker was running.
 """
 
 import logging
+import secrets
 import time
 from collections.abc import Callable
 
@@ -35,15 +37,19 @@ Enqueue = Callable[[str, str, int], None]  # (kind, job id, shard index): sends 
 
 PUBLISHING = "eagle3:publishing"
 STATE_MARKER = "eagle3:state-marker"
+RECOVERED_EPOCH = "eagle3:recovered-marker"  # the marker value whose jobs have been recovered
 RECOVERY_LOCK = "eagle3:recovering"
 RECOVERY_LOCK_S = 600  # a recovering worker that dies leaves the lock for this long at most
 ENQUEUED_FIELD = "shards_enqueued"
 
 # ARGV: job id, shards enqueued so far. The score is the Redis server's clock, so that worker clocks may disagree.
+# A job Redis lost meanwhile is not half-recreated: the Redis-loss recovery registers and publishes it whole.
 _CHECKPOINT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'shards_enqueued', ARGV[2])
 redis.call('ZADD', KEYS[2], tonumber(t[1]), ARGV[1])
+return 1
 """
 
 # Publishings whose checkpoint is older than ARGV[1] seconds; claiming one moves its score to now, so that of
@@ -112,40 +118,69 @@ def take_over_stalled_publishing(
     return taken
 
 
-def redis_lost_state(client: redis.Redis) -> bool:
-    return not client.exists(STATE_MARKER)
+class RedisState:
+    """One worker's memory of the Redis state it works with: the value of Redis's marker key, which a Redis that lost
+    its data no longer has. A worker adopts the marker when it starts (and creates it in a new Redis); a later look
+    that finds it gone or different means Redis lost its state since, and the jobs are recovered from storage. A
+    Redis found empty by workers that all start after the loss looks new: its jobs need `eagle3 resume`."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        self.epoch: str | None = None
+
+    def adopt(self, client: redis.Redis) -> None:
+        if self.epoch is None:
+            self.epoch = _marker(client)
+
+    def check(self, storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> list[str]:
+        """Recover the jobs if Redis lost its state since the last look (one worker does it, under a lock);
+        returns the ids of the jobs recovered here."""
+        current = _marker(client)
+        if self.epoch is None:
+            self.epoch = current
+        if current == self.epoch:
+            return []
+        if client.get(RECOVERED_EPOCH) == current.encode():  # another worker has recovered them
+            self.epoch = current
+            return []
+        if not client.set(RECOVERY_LOCK, self.holder, nx=True, ex=RECOVERY_LOCK_S):
+            return []  # another worker is at it; the next look sees whether it finished
+        started = time.monotonic()
+        try:
+            recovered = recover_jobs(storage, client, enqueue=enqueue)
+            client.set(RECOVERED_EPOCH, current)
+        finally:
+            client.delete(RECOVERY_LOCK)
+        self.epoch = current
+        logger.warning(
+            "Redis had lost its state (marker %s gone): %d job(s) recovered from storage in %.1fs",
+            STATE_MARKER,
+            len(recovered),
+            time.monotonic() - started,
+        )
+        return recovered
 
 
-def recover_after_redis_loss(storage: Storage, client: redis.Redis, *, enqueue: Enqueue, holder: str) -> list[str]:
-    """If Redis lost its state, re-register and publish every indexed job it does not know (one worker does it,
-    under a lock); returns the ids of the jobs recovered here."""
-    if not redis_lost_state(client) or not client.set(RECOVERY_LOCK, holder, nx=True, ex=RECOVERY_LOCK_S):
-        return []
-    started = time.monotonic()
+def _marker(client: redis.Redis) -> str:
+    """The marker's value, created if Redis has none (a new Redis, or one that lost its state)."""
+    client.set(STATE_MARKER, secrets.token_hex(8), nx=True)
+    return client.get(STATE_MARKER).decode()
+
+
+def recover_jobs(storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> list[str]:
+    """Register and publish every job of storage's index that Redis does not know; returns their ids."""
     recovered = []
-    try:
-        for key in storage.list(layout.JOB_INDEX_PREFIX):
-            job_id = key.removeprefix(layout.JOB_INDEX_PREFIX)
-            if client.exists(progress.job_key(job_id)):
-                continue  # registered since the loss (a new submit): it is being published
-            try:
-                job = load_job(storage, job_id)
-            except JobNotFound:
-                continue  # its submit died before job.json: there is no job
-            recovered.append(job_id)
-            sent = recover_job(storage, client, job, enqueue=enqueue)
-            logger.warning(
-                "job %s recovered from storage after Redis lost its state: %d shard(s) enqueued", job_id, sent
-            )
-        client.set(STATE_MARKER, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    finally:
-        client.delete(RECOVERY_LOCK)
-    logger.warning(
-        "Redis had lost its state (no %s): %d job(s) recovered from storage in %.1fs",
-        STATE_MARKER,
-        len(recovered),
-        time.monotonic() - started,
-    )
+    for key in storage.list(layout.JOB_INDEX_PREFIX):
+        job_id = key.removeprefix(layout.JOB_INDEX_PREFIX)
+        if client.exists(progress.job_key(job_id)):
+            continue  # registered since the loss (a new submit): it is being published
+        try:
+            job = load_job(storage, job_id)
+        except JobNotFound:
+            continue  # its submit died before job.json: there is no job
+        recovered.append(job_id)
+        sent = recover_job(storage, client, job, enqueue=enqueue)
+        logger.warning("job %s recovered from storage after Redis lost its state: %d shard(s) enqueued", job_id, sent)
     return recovered
 
 

@@ -77,6 +77,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self.client: redis.Redis | None = None
         self.storage: Storage | None = None
         self.sender: ShardSender | None = None
+        self.redis_state = recovery.RedisState(self.holder)
         self.held: dict[str, leases.Lease] = {}  # by delivery tag
         self.timers: list[Any] = []
 
@@ -86,6 +87,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
             str(c.app.conf.broker_url), socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
         )
         _keeper = self
+        try:
+            self.redis_state.adopt(self.client)  # the Redis state this worker starts with (once per process)
+        except redis.RedisError as exc:  # the first reap adopts it instead
+            logger.warning("cannot read the Redis state marker: %s", exc)
         self.timers = [
             c.timer.call_repeatedly(self.lease_s / 4, self.renew, priority=10),
             c.timer.call_repeatedly(self.reaper_interval_s, self.reap, priority=10),
@@ -195,7 +200,7 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 self.app.send_task(lease.task, args=[lease.job_id, lease.shard_index], task_id=lease.task_id)
 
             leases.reap(self.client, self.storage, restore=restore, resend=resend)
-            recovery.recover_after_redis_loss(self.storage, self.client, enqueue=self.sender.send, holder=self.holder)
+            self.redis_state.check(self.storage, self.client, enqueue=self.sender.send)
             recovery.take_over_stalled_publishing(
                 self.storage, self.client, enqueue=self.sender.send, stalled_after_s=self.lease_s
             )

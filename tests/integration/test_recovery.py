@@ -74,23 +74,36 @@ def test_redis_lost_jobs_are_recovered_from_storage_once(client: redis.Redis, st
     def enqueue(kind: str, job_id: str, shard_index: int) -> None:
         sent.append((job_id, shard_index))
 
-    # A fresh Redis (the first reaper ever): no marker yet, but Redis knows both jobs, so there is nothing to do.
-    assert recovery.recover_after_redis_loss(storage, client, enqueue=enqueue, holder="w1") == []
-    assert not recovery.redis_lost_state(client) and sent == []
+    first, second = recovery.RedisState("w1"), recovery.RedisState("w2")
+    first.adopt(client)  # both workers start with this Redis
+    second.adopt(client)
+    assert first.check(storage, client, enqueue=enqueue) == [] and sent == []  # nothing lost
     client.flushdb()  # Redis lost everything
-    assert recovery.redis_lost_state(client)
-    assert recovery.recover_after_redis_loss(storage, client, enqueue=enqueue, holder="w1") == ["job-a", "job-b"]
+    assert first.check(storage, client, enqueue=enqueue) == ["job-a", "job-b"]
     # Committed shard 0 and dead-lettered shard 2 are not run again; cancelled job-b not at all.
     assert sent == [("job-a", 1), ("job-a", 3)]
     a, b = progress.job_progress(client, "job-a"), progress.job_progress(client, "job-b")
     assert (a.state, a.shards_committed, a.tokens_done, a.shards_dead_lettered) == ("running", 1, 100, 1)
     assert b.state == "cancelled"
-    assert recovery.recover_after_redis_loss(storage, client, enqueue=enqueue, holder="w2") == []  # marker is back
+    assert second.check(storage, client, enqueue=enqueue) == []  # w1 did it: w2 only moves on
+    assert first.check(storage, client, enqueue=enqueue) == [] and len(sent) == 2
+
+
+def test_a_new_redis_is_not_taken_for_a_lost_one(client: redis.Redis, storage: Storage) -> None:
+    """Workers that start on an empty Redis (a new deployment, `make demo`) leave storage's old jobs alone."""
+    published(storage, client, make_job())
+    client.flushdb()
+    state = recovery.RedisState("w1")
+    state.adopt(client)
+    assert state.check(storage, client, enqueue=lambda *a: pytest.fail("nothing to enqueue")) == []
+    assert not client.exists(progress.job_key("job-a"))
 
 
 def test_a_recovery_under_way_is_not_repeated_by_another_worker(client: redis.Redis, storage: Storage) -> None:
     published(storage, client, make_job())
+    state = recovery.RedisState("w2")
+    state.adopt(client)
     client.flushdb()
     client.set(recovery.RECOVERY_LOCK, "w1", ex=60)  # w1 is recovering
-    assert recovery.recover_after_redis_loss(storage, client, enqueue=lambda *a: None, holder="w2") == []
-    assert recovery.redis_lost_state(client)  # w1 writes the marker when it is done
+    assert state.check(storage, client, enqueue=lambda *a: pytest.fail("w1 enqueues")) == []
+    assert state.epoch != client.get(recovery.STATE_MARKER).decode()  # w2 looks again until w1 is done
