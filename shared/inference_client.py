@@ -55,14 +55,15 @@ class HealthWatch:
         self._lock = threading.Lock()
         self._outstanding = 0
         self._thread: threading.Thread | None = None
-        self._last_answer = time.monotonic()
+        self._last_answer = self._busy_since = time.monotonic()
 
     @contextmanager
     def outstanding(self) -> Iterator[None]:
         with self._lock:
+            if self._outstanding == 0:
+                self._busy_since = time.monotonic()  # silence before this request does not count against it
             self._outstanding += 1
             if self._thread is None:
-                self._last_answer = time.monotonic()  # silence is counted from the first request on
                 self._thread = threading.Thread(target=self._probe, name="inference-health", daemon=True)
                 self._thread.start()
         try:
@@ -72,7 +73,8 @@ class HealthWatch:
                 self._outstanding -= 1
 
     def silent_s(self) -> float:
-        return time.monotonic() - self._last_answer
+        """Since the last answer, or since requests became outstanding if that is later."""
+        return time.monotonic() - max(self._last_answer, self._busy_since)
 
     def _probe(self) -> None:
         with httpx.Client(base_url=self.base_url, timeout=self.probe_interval_s) as http:

@@ -206,6 +206,7 @@ def test_inference_server_that_hangs_is_abandoned_and_the_shard_completes(
             f"requests abandoned {detected_s:.0f}s after SIGSTOP (health timeout "
             f"{settings.inference_health_timeout_s:.0f}s, request timeout {settings.inference_timeout_s:.0f}s)"
         )
-    assert settings.inference_health_timeout_s <= detected_s < settings.inference_timeout_s, detected_s
+    # Silence counts from the last answer, up to one probe interval (5 s) before the SIGSTOP.
+    assert settings.inference_health_timeout_s - 5 <= detected_s < settings.inference_timeout_s, detected_s
     assert row.audit.clean, row.audit.explain()
     assert (p.state, p.samples_done, p.shards_dead_lettered) == ("completed", p.samples_total, 0), p
