@@ -56,7 +56,11 @@ def own_weed(tmp_path: Path) -> Iterator[WeedMini]:
 
 @pytest.fixture
 def make_stack(
-    smollm2_dir: Path, s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_dir: Path,
+    s3_server: S3Server,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[MakeStack]:
     """`with make_stack(workers=2) as stack:` a fresh stack on the session's S3 server (or the one given as `s3`);
     Redis is started by the stack (append-only file on, as compose configures it) unless `redis_url` names one
@@ -79,6 +83,8 @@ def make_stack(
             "home": home,
             "inference_device": "cpu",
             "worker_heartbeat_file": home / "heartbeat",
+            # The scenarios' datasets are local files under the session's temporary folder (shared/access.py).
+            "dataset_roots": [str(tmp_path_factory.getbasetemp())],
         }
         settings = Settings(**{**fields, **overrides})  # type: ignore[arg-type]
         with LocalStack(settings, workers=workers, log_dir=home / "logs", pick_free_ports=True) as stack:

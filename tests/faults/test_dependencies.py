@@ -150,8 +150,9 @@ def test_producer_killed_while_enqueueing_leaves_the_job_to_the_workers(
             return int(stack.redis.hget(key, recovery.ENQUEUED_FIELD) or 0)
 
         # Stop the producer the moment it has enqueued a shard, then kill it: it dies between two enqueues.
-        wait_for(lambda: enqueued() >= 1, 300, "enqueueing started", interval_s=0)
+        wait_for(lambda: enqueued() >= 1 or not submit.is_alive(), 300, "enqueueing started", interval_s=0)
         os.killpg(stack.process("producer").pid, signal.SIGSTOP)
+        assert submit.is_alive(), "the submit ended before the producer could be stopped mid-enqueue"
         killed_at = stack.kill_whole("producer")
         submit.join(timeout=30)
         sent, total = enqueued(), int(stack.redis.hget(key, "shards_total"))
