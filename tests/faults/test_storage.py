@@ -134,7 +134,9 @@ def test_storage_full_mid_job_pauses_then_resumes_by_itself(
         assert f"job {job_id}: paused" in status, status
         assert any("paused" in line and "storage full: " in line for line in status.splitlines()), status
         (overview,) = [j for j in stack.api.get("/v1/overview").json()["jobs"] if j["progress"]["job_id"] == job_id]
-        assert overview["progress"]["paused_reason"] == shown["paused_reason"]
+        # (Each refused write records its own key in the reason, so compare what does not change.)
+        assert overview["progress"]["state"] == "paused", overview
+        assert overview["progress"]["paused_reason"].startswith("storage full: "), overview
         time.sleep(max(40 - (time.monotonic() - full_at), 0))
         # Nothing partial: no torn file, and no sample file outside a manifest (a failed shard deletes its own).
         partial = audit_job(stack.storage, job_id)
