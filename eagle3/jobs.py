@@ -77,6 +77,8 @@ def progress_table(p: JobProgress) -> Table:
             rows.append(("chained job", r.chained_job_id))
         if r.error is not None:
             rows.append(("error", r.error))
+    if p.paused_reason is not None:
+        rows.insert(0, ("paused", p.paused_reason))
     for name, value in rows:
         table.add_row(name, value)
     return table

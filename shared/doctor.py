@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import redis
 
-from shared import cluster, jobs, progress, shards
+from shared import cluster, jobs, layout, progress, shards
 from shared.capture_protocol import ModelInfo, default_aux_layer_ids
 from shared.datasets import InvalidRecord, read_dataset
 from shared.errors import Eagle3Error, InvalidSample
@@ -331,6 +331,7 @@ def _remove_job(storage: Storage, client: redis.Redis, job_id: str) -> None:
     try:
         for key in storage.list(f"{job_id}/"):
             storage.delete(key)
+        storage.delete(layout.job_index_entry(job_id))
     except Eagle3Error as exc:
         logger.warning("scratch job %s: could not remove its files: %s", job_id, exc)
     try:

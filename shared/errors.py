@@ -47,6 +47,10 @@ class StorageUnavailable(TransientError):
     """The object store refused, timed out, throttled, or is full."""
 
 
+class StorageFull(StorageUnavailable):
+    """The object store (or disk) has no room or the quota is spent: the job pauses until there is room."""
+
+
 class ProducerUnavailable(TransientError):
     """The producer API (which a finishing regeneration asks to submit the chained job) cannot be reached."""
 

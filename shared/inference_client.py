@@ -1,21 +1,27 @@
 """The worker's side of the capture protocol (docs/capture-protocol.md): one keep-alive httpx client.
 
+A hung server (a stopped process, a deadlocked engine: TCP still accepts, nothing answers) is found sooner than the
+per-request timeout, which must stay long for a slow prefill: while requests are outstanding a watch probes the
+server's /health on a connection of its own, and a request is abandoned once /health has not answered for
+`health_timeout_s` (EAGLE3_INFERENCE_HEALTH_TIMEOUT_S). A slow request of a server that answers /health is waited for.
+
 Errors are split by what a retry can fix:
-- InferenceUnavailable (transient): nothing listening, a timeout, a dropped connection, a 5xx answer.
+- InferenceUnavailable (transient): nothing listening, a timeout, a dropped connection, a 5xx answer, a hung server.
 - InferenceProtocolError (not transient): a 4xx answer, or a 2xx answer that does not follow the protocol.
 This module decodes faithfully and does not check rows, dtype or values against the prompt: the caller does.
 """
 
 import logging
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, TypeVar
 
 import httpx
 from pydantic import ValidationError
@@ -34,6 +40,56 @@ logger = logging.getLogger(__name__)
 
 _CONNECT_TIMEOUT_S = 10.0
 _HEALTH_POLL_INTERVAL_S = 0.25
+_HEALTH_PROBE_INTERVAL_S = 5.0  # at most; a quarter of the health timeout when that is shorter
+
+T = TypeVar("T")
+
+
+class HealthWatch:
+    """Probes a server's /health on a connection of its own while requests are outstanding (`outstanding()`), and
+    says how long it has gone without an answer. Any HTTP answer counts: a server that answers is not hung."""
+
+    def __init__(self, base_url: str, probe_interval_s: float) -> None:
+        self.base_url = base_url
+        self.probe_interval_s = probe_interval_s
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._thread: threading.Thread | None = None
+        self._last_answer = self._busy_since = time.monotonic()
+
+    @contextmanager
+    def outstanding(self) -> Iterator[None]:
+        with self._lock:
+            if self._outstanding == 0:
+                self._busy_since = time.monotonic()  # silence before this request does not count against it
+            self._outstanding += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._probe, name="inference-health", daemon=True)
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._outstanding -= 1
+
+    def silent_s(self) -> float:
+        """Since the last answer, or since requests became outstanding if that is later."""
+        return time.monotonic() - max(self._last_answer, self._busy_since)
+
+    def _probe(self) -> None:
+        with httpx.Client(base_url=self.base_url, timeout=self.probe_interval_s) as http:
+            while True:
+                with self._lock:
+                    if self._outstanding == 0:
+                        self._thread = None
+                        return
+                started = time.monotonic()
+                try:
+                    http.get("/health")
+                    self._last_answer = time.monotonic()
+                except httpx.HTTPError:
+                    pass  # no answer (refused, timed out): silence goes on
+                time.sleep(max(self.probe_interval_s - (time.monotonic() - started), 0.0))
 
 
 class InferenceClient:
@@ -44,6 +100,7 @@ class InferenceClient:
         base_url: str,
         *,
         timeout_s: float = 300.0,
+        health_timeout_s: float = 60.0,
         max_concurrency: int = 4,
         transport: Literal["body", "shm"] = "body",
         shm_dir: Path | None = None,
@@ -54,15 +111,21 @@ class InferenceClient:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.health_timeout_s = health_timeout_s
         self.max_concurrency = max_concurrency
         self.transport = transport
         self.shm_dir = shm_dir
-        self._http = httpx.Client(
+        self._health = HealthWatch(self.base_url, min(_HEALTH_PROBE_INTERVAL_S, health_timeout_s / 4))
+        self._http_lock = threading.Lock()
+        self._http = self._new_http()
+
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(
             base_url=self.base_url,
             # A prefill of a long prompt may take a while; connecting should not.
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
+            timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, _CONNECT_TIMEOUT_S)),
             # One kept-alive connection per in-flight request, so that no request waits for a connection.
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
+            limits=httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency),
         )
 
     @classmethod
@@ -70,6 +133,7 @@ class InferenceClient:
         return cls(
             settings.inference_url,
             timeout_s=settings.inference_timeout_s,
+            health_timeout_s=settings.inference_health_timeout_s,
             max_concurrency=settings.inference_concurrency,
             transport=settings.capture_transport,
             shm_dir=settings.shm_dir,
@@ -156,14 +220,17 @@ class InferenceClient:
                     future.cancel()
 
     def _capture_body(self, body: dict[str, Any], rid: str) -> CapturedStates:
-        with self._stream("POST", "/generate", rid=rid, json=body) as response:
-            content_type = response.headers.get("content-type", "")
-            if not content_type.startswith(CAPTURE_CONTENT_TYPE):
-                raise InferenceProtocolError(
-                    f"{self.base_url}/generate rid={rid}: answered {content_type or 'no content type'}, not "
-                    f"{CAPTURE_CONTENT_TYPE}; does the server implement the capture extension?"
-                )
-            content = self._read_body(response)
+        def call(http: httpx.Client) -> bytearray:
+            with self._stream(http, "POST", "/generate", rid=rid, json=body) as response:
+                content_type = response.headers.get("content-type", "")
+                if not content_type.startswith(CAPTURE_CONTENT_TYPE):
+                    raise InferenceProtocolError(
+                        f"{self.base_url}/generate rid={rid}: answered {content_type or 'no content type'}, not "
+                        f"{CAPTURE_CONTENT_TYPE}; does the server implement the capture extension?"
+                    )
+                return self._read_body(response)
+
+        content = self._watched(call, "/generate", rid)
         try:
             states = decode_capture_body(content)
         except InferenceProtocolError as exc:
@@ -227,18 +294,58 @@ class InferenceClient:
     # HTTP and error mapping
 
     def _request(self, method: str, path: str, *, rid: str | None, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise self._unavailable(path, rid, exc) from exc
+        def call(http: httpx.Client) -> httpx.Response:
+            try:
+                return http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                raise self._unavailable(path, rid, exc) from exc
+
+        response = self._watched(call, path, rid)
         self._raise_for_status(response, path, rid)
         return response
 
+    def _watched(self, call: Callable[[httpx.Client], T], path: str, rid: str | None) -> T:
+        """Run one request on a thread of its own and wait for it as long as the server's /health answers; once
+        /health has been silent for health_timeout_s, abandon it (its thread ends at its own timeout)."""
+        http = self._http
+        result: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(call(http))
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        with self._health.outstanding():
+            threading.Thread(target=run, name="inference-request", daemon=True).start()
+            while True:
+                try:
+                    return result.result(timeout=self._health.probe_interval_s)
+                except TimeoutError:
+                    silent_s = self._health.silent_s()
+                    if silent_s >= self.health_timeout_s:
+                        self._drop(http)
+                        where = f"{self.base_url}{path}" + (f" rid={rid}" if rid is not None else "")
+                        raise InferenceUnavailable(
+                            f"{where}: abandoned, the server hangs: its /health has not answered for {silent_s:.0f}s "
+                            f"(EAGLE3_INFERENCE_HEALTH_TIMEOUT_S={self.health_timeout_s:.0f})"
+                        ) from None
+
+    def _drop(self, http: httpx.Client) -> None:
+        """Abandoned requests keep their pooled connections until their own timeout: later requests get a new
+        pool instead of waiting for those."""
+        with self._http_lock:
+            if self._http is http:
+                self._http = self._new_http()
+                threading.Thread(target=http.close, name="inference-close", daemon=True).start()
+
     @contextmanager
-    def _stream(self, method: str, path: str, *, rid: str, **kwargs: Any) -> Iterator[httpx.Response]:
+    def _stream(
+        self, http: httpx.Client, method: str, path: str, *, rid: str, **kwargs: Any
+    ) -> Iterator[httpx.Response]:
         """A streamed request whose status and transport errors (also while reading the body) are mapped."""
         try:
-            with self._http.stream(method, path, **kwargs) as response:
+            with http.stream(method, path, **kwargs) as response:
                 if not response.is_success:
                     response.read()
                     self._raise_for_status(response, path, rid)

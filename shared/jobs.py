@@ -5,7 +5,7 @@ job record's loading. What differs between kinds comes from shared/kinds/."""
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import shared
-from shared import access, layout, progress
+from shared import access, layout, progress, recovery
 from shared.datasets import InvalidRecord, read_dataset
 from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
 from shared.kinds import kind_of
@@ -29,7 +29,7 @@ from shared.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
 
-Enqueue = Callable[[str, str, int], None]  # (kind, job id, shard index): sends one shard task
+Enqueue = recovery.Enqueue
 
 
 def new_job_id() -> str:
@@ -163,17 +163,24 @@ def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
 
 
 def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue) -> None:
-    """After every plan file: job.json (create-only; a job whose job.json exists is fully planned), its progress
-    counters, then one task per shard."""
+    """After every plan file: the job's index entry, job.json (create-only; a job whose job.json exists is fully
+    planned), its progress counters, then one task per shard, checkpointed: a reaper finishes the enqueueing if this
+    process dies (shared/recovery.py)."""
+    recovery.index_job(storage, job.job_id)
     if not storage.put_if_absent(layout.job_json(job.job_id), job.model_dump_json(indent=2).encode()):
         raise SubmitError(f"job {job.job_id} was created concurrently by another submit")
     progress.register_job(client, job, storage.url)
-    for shard_index in range(job.shards_total):
-        enqueue(job.kind, job.job_id, shard_index)
+    recovery.publish(storage, client, job, enqueue=enqueue)
 
 
 def first_rejection(rejected: list[RejectedSample]) -> str:
     return f"line {rejected[0].line}: {rejected[0].field}: {rejected[0].reason}" if rejected else "empty dataset"
+
+
+def cancel(job_id: str, *, storage: Storage, client: redis.Redis) -> None:
+    """Queued shards are skipped; in storage too, so that the job stays cancelled if Redis loses its state."""
+    progress.cancel(client, job_id)
+    storage.put(layout.cancelled(job_id), b"")
 
 
 def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enqueue) -> list[int]:
@@ -181,9 +188,11 @@ def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enque
     whatever the kind asks to run again; returns the uncommitted shards."""
     job = load_job(storage, job_id)
     kind = kind_of(job.kind)
+    recovery.index_job(storage, job_id)  # a job published before the index existed
     if not client.exists(progress.job_key(job_id)):
         progress.register_job(client, job, storage.url)
     client.hdel(progress.job_key(job_id), "cancelled")
+    storage.delete(layout.cancelled(job_id))
     progress.rebuild(client, storage, job)
     committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
     pending = [k for k in range(job.shards_total) if k not in committed]

@@ -45,6 +45,24 @@ def shard_index_from_manifest_key(key: str) -> int:
     return int(key.rsplit("shard_", 1)[1].removesuffix(".json"))
 
 
+def shard_index_from_dead_letter_key(key: str) -> int:
+    return int(key.rsplit("shard_", 1)[1].removesuffix(".json"))
+
+
+def cancelled(job_id: str) -> str:
+    """Written when the job is cancelled, so that a job recovered after Redis lost its state stays cancelled."""
+    return f"{job_id}/cancelled"
+
+
+# Storage's job index: one empty object per published job, outside every job's folder (a job id cannot start with
+# "_"), so that the jobs can be found again when Redis has lost them (shared/recovery.py).
+JOB_INDEX_PREFIX = "_jobs/"
+
+
+def job_index_entry(job_id: str) -> str:
+    return f"{JOB_INDEX_PREFIX}{job_id}"
+
+
 # Regenerate jobs (docs/regeneration.md); job.json, rejected.jsonl, inputs/ and manifests/ as above.
 
 

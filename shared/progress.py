@@ -39,7 +39,16 @@ REGENERATION_COUNTERS = (
     "conversations_failed",
 )
 # Fields of the job hash that are not numbers.
-_TEXT_FIELDS = ("storage_url", "created_at", "created_ts", "kind", "chained_job_id", "output_key", "finalize_error")
+_TEXT_FIELDS = (
+    "storage_url",
+    "created_at",
+    "created_ts",
+    "kind",
+    "chained_job_id",
+    "output_key",
+    "finalize_error",
+    "paused_reason",
+)
 
 
 def job_key(job_id: str) -> str:
@@ -65,6 +74,7 @@ def events_key(job_id: str) -> str:
 _RECORD_COMMIT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+redis.call('HDEL', KEYS[1], 'paused_reason')  -- a manifest was written: storage has room again
 if redis.call('SREM', KEYS[3], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'shards_dead', -1)
   redis.call('HINCRBY', KEYS[1], 'samples_failed', -tonumber(ARGV[2]))
@@ -91,6 +101,14 @@ redis.call('HINCRBY', KEYS[1], 'samples_failed', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'tokens_failed', ARGV[3])
 redis.call('XADD', KEYS[4], '*', 'event', 'dead_lettered', 'shard_index', ARGV[1], 'samples', ARGV[2],
            'tokens', ARGV[3], 'reason', ARGV[4])
+return 1
+"""
+
+
+# Like a commit, a pause never half-recreates a job Redis no longer knows.
+_RECORD_PAUSE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'paused_reason', ARGV[1])
 return 1
 """
 
@@ -157,6 +175,12 @@ def commit_manifest(storage: Storage, client: redis.Redis, manifest: AnyManifest
         )
     record_commit(client, manifest)
     return manifest
+
+
+def record_pause(client: redis.Redis, job_id: str, reason: str) -> None:
+    """The job cannot go on for a reason outside its shards (storage full): its state is `paused` with this reason
+    until the next shard commits."""
+    client.eval(_RECORD_PAUSE, 1, job_key(job_id), reason[:2000])
 
 
 def mark_finalized(client: redis.Redis, job_id: str, *, chained_job_id: str | None, error: str | None) -> None:
@@ -306,11 +330,13 @@ def job_progress(
             state = "completed_with_errors"
         else:
             state = "completed"
+    elif "paused_reason" in fields:
+        state = "paused"
     elif finished_shards:
         state = "running"
     else:
         state = "queued"
-    finished = state != "running" and state != "queued"
+    finished = state not in ("running", "queued", "paused")
     tokens_done = number["tokens_done"]
     tokens_total = number["tokens_total"]
     regeneration = None
@@ -356,6 +382,7 @@ def job_progress(
         created_at=fields["created_at"],
         kind=kind,
         regeneration=regeneration,
+        paused_reason=fields.get("paused_reason") if state == "paused" else None,
     )
 
 

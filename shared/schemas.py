@@ -9,7 +9,8 @@ from shared.access import JOB_ID_PATTERN
 from shared.provenance import Provenance
 
 LengthPolicy = Literal["truncate", "reject"]
-JobState = Literal["queued", "running", "completed", "completed_with_errors", "cancelled"]
+# paused: the job cannot go on until something outside it changes (storage full); Progress.paused_reason says what.
+JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
 ReasoningPolicy = Literal["keep", "drop"]
 StorageDtype = Literal["bfloat16", "fp8_e4m3"]  # hidden states at rest: shared/shard_format.py
@@ -249,6 +250,7 @@ class Progress(BaseModel):
     created_at: str
     kind: JobKind = "extract"
     regeneration: RegenerationProgress | None = None
+    paused_reason: str | None = None  # why a paused job waits, e.g. "storage full: ..."; None unless paused
 
     @property
     def finished(self) -> bool:

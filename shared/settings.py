@@ -40,7 +40,14 @@ class Settings(BaseSettings):
 
     # Inference
     inference_url: str = "http://127.0.0.1:30000"
-    inference_timeout_s: float = 300.0
+    inference_timeout_s: float = Field(
+        default=300.0, gt=0, description="per request: a slow prefill or decode of a server that answers /health"
+    )
+    inference_health_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="abandon outstanding requests once the server's /health has not answered for this long (hung)",
+    )
     inference_ready_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for /health")
     inference_concurrency: int = Field(default=4, ge=1, description="in-flight capture requests per worker")
     capture_transport: Literal["body", "shm"] = "body"
@@ -70,6 +77,12 @@ class Settings(BaseSettings):
     redelivery_sweep_s: float = Field(default=30.0, gt=0, description="how often workers look for lost shards")
     task_max_retries: int = 5
     retry_backoff_max_s: int = 300
+    storage_wait_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a shard that found storage full, or unreachable after its retries, runs again after this; the "
+        "job is paused meanwhile",
+    )
     soft_shutdown_timeout_s: float = 60.0
     worker_heartbeat_file: Path = Path("/tmp/eagle3-worker-heartbeat")
     worker_heartbeat_interval_s: float = Field(default=15.0, gt=0, description="liveness file touch period")

@@ -2,7 +2,9 @@
 
 already committed -> cancelled -> load the job -> check the served model (once per job and process) -> load the
 shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest create-only and count
-it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason.
+it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason. Storage
+that is full, or still unreachable after the retries, pauses the job instead (progress state `paused`, with the
+reason): the shard waits for storage, which is also where a dead letter would have to go.
 
 Every step is idempotent, so a redelivered or duplicated task never produces a second or a torn shard.
 """
@@ -16,7 +18,7 @@ import redis
 from pydantic import BaseModel
 
 from shared import layout, progress
-from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
+from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound, StorageFull
 from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage
@@ -92,6 +94,25 @@ def _outcome(manifest: Any, status: Literal["committed", "already_committed"], s
 
 
 def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
+    try:
+        return _run_shard(kind, job_id, shard_index, ctx)
+    except StorageFull as exc:
+        # Not this shard's fault, and no retry soon will help: the task runs the shard again later without spending
+        # an attempt (services/worker/tasks.py).
+        pause(ctx, job_id, shard_index, f"storage full: {exc}")
+        raise
+
+
+def pause(ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> None:
+    """The shard waits for storage: the job's state is `paused` with this reason until a shard commits again."""
+    logger.warning("job=%s shard=%d paused: %s", job_id, shard_index, reason)
+    try:
+        progress.record_pause(ctx.redis, job_id, reason)
+    except redis.RedisError as exc:
+        logger.warning("cannot record the pause of job %s: %s", job_id, exc)
+
+
+def _run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
     started, started_at = time.monotonic(), utc_now()
     storage, client = ctx.storage, ctx.redis
     state = ctx.state(kind)

@@ -12,7 +12,8 @@ Notable:
   file straight from `torch.save`): the bytes go to the file as they come, hashed on the way, so a 64 MB object
   is neither buffered in memory first nor read back to be hashed (S3 buffers it: a PUT needs the whole body).
 - Outages (unreachable, throttled, timed out, full, missing bucket, bad credentials) raise
-  `StorageUnavailable`, which tasks retry with backoff; a missing object raises `ObjectNotFound`;
+  `StorageUnavailable`, which tasks retry with backoff (`StorageFull`, a subclass, pauses the job until there is
+  room: shared/shards.py); a missing object raises `ObjectNotFound`;
   a request the store refuses for good (an object too large) raises `StorageRejected`.
 - One boto3 client per process, created lazily and dropped in a forked child, because Celery's
   prefork pool forks after import and a client's connection pool must not cross a fork.
@@ -49,7 +50,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
+from shared.errors import ConfigurationError, Eagle3Error, StorageFull, StorageUnavailable
 from shared.settings import Settings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ _UNAVAILABLE_ERRNOS = {
     errno.EROFS: "read-only file system",
     errno.EIO: "I/O error",
 }
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
 class FileStorage:
@@ -345,7 +347,8 @@ class FileStorage:
             reason = _UNAVAILABLE_ERRNOS.get(exc.errno or 0)
             if reason is None:
                 raise
-            raise StorageUnavailable(f"file storage {self.url}: {op} {key!r} failed: {reason} ({exc})") from exc
+            error = StorageFull if exc.errno in _FULL_ERRNOS else StorageUnavailable
+            raise error(f"file storage {self.url}: {op} {key!r} failed: {reason} ({exc})") from exc
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -614,7 +617,7 @@ class S3Storage:
                 ) from exc
             # Before the 403 test: some servers answer QuotaExceeded with 403.
             if code in _FULL_CODES or status == 507:
-                raise StorageUnavailable(f"{what}: storage full ({code}: {message})") from exc
+                raise StorageFull(f"{what}: storage full ({code}: {message})") from exc
             if code in _THROTTLED_CODES or status in (500, 502, 503, 504):
                 raise StorageUnavailable(f"{what}: throttled or unavailable ({code}, HTTP {status})") from exc
             if code in _CREDENTIAL_CODES or status == 403:

@@ -114,7 +114,7 @@ def job_activity(client: redis.Redis, p: Progress, *, stall_after_s: float, now:
     return JobActivity(
         last_commit_ts=last,
         seconds_since_commit=max(since, 0.0),
-        stalled=p.state in ("queued", "running") and since > stall_after_s,
+        stalled=p.state in ("queued", "running", "paused") and since > stall_after_s,
         stall_after_s=stall_after_s,
     )
 

@@ -13,6 +13,9 @@ Everything runs in the main process, which is the one that holds the broker mess
 
 A worker killed whole stops renewing, so its shards run again `shard_lease_s` plus at most one reaper interval
 after its last renewal: 75 s by default.
+
+The reaper also runs the recovery checks of shared/recovery.py: Redis that lost its state (its jobs are registered
+and published again from storage), and a job whose producer died while enqueueing its shards (the rest is enqueued).
 """
 
 import logging
@@ -25,7 +28,8 @@ import redis
 from celery import bootsteps, signals
 from celery.worker.request import Request
 
-from shared import leases
+from shared import leases, recovery
+from shared.queue import ShardSender
 from shared.settings import get_settings
 from shared.storage import Storage, open_storage
 
@@ -72,6 +76,8 @@ class LeaseKeeper(bootsteps.StartStopStep):
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.client: redis.Redis | None = None
         self.storage: Storage | None = None
+        self.sender: ShardSender | None = None
+        self.redis_state = recovery.RedisState(self.holder)
         self.held: dict[str, leases.Lease] = {}  # by delivery tag
         self.timers: list[Any] = []
 
@@ -81,6 +87,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
             str(c.app.conf.broker_url), socket_timeout=_REDIS_TIMEOUT_S, socket_connect_timeout=_REDIS_TIMEOUT_S
         )
         _keeper = self
+        try:
+            self.redis_state.adopt(self.client)  # the Redis state this worker starts with (once per process)
+        except redis.RedisError as exc:  # the first reap adopts it instead
+            logger.warning("cannot read the Redis state marker: %s", exc)
         self.timers = [
             c.timer.call_repeatedly(self.lease_s / 4, self.renew, priority=10),
             c.timer.call_repeatedly(self.reaper_interval_s, self.reap, priority=10),
@@ -171,6 +181,8 @@ class LeaseKeeper(bootsteps.StartStopStep):
         try:
             if self.storage is None:
                 self.storage = open_storage(self.storage_url, self.settings)
+            if self.sender is None:
+                self.sender = ShardSender(str(self.app.conf.broker_url))
 
             def channel() -> Any:
                 nonlocal connection
@@ -188,6 +200,10 @@ class LeaseKeeper(bootsteps.StartStopStep):
                 self.app.send_task(lease.task, args=[lease.job_id, lease.shard_index], task_id=lease.task_id)
 
             leases.reap(self.client, self.storage, restore=restore, resend=resend)
+            self.redis_state.check(self.storage, self.client, enqueue=self.sender.send)
+            recovery.take_over_stalled_publishing(
+                self.storage, self.client, enqueue=self.sender.send, stalled_after_s=self.lease_s
+            )
         except Exception as exc:  # never let the reaper take the consumer down; the next interval tries again
             logger.warning("lease reaper: %s: %s", type(exc).__name__, exc)
         finally:

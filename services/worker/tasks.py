@@ -11,10 +11,11 @@ from typing import Any
 
 import redis
 from celery import Task
+from celery.exceptions import Retry
 
 from services.worker.celery_app import app, settings
 from shared import shards
-from shared.errors import TransientError
+from shared.errors import StorageFull, StorageUnavailable, TransientError
 from shared.kinds import KINDS, JobKind
 from shared.storage import open_storage
 
@@ -58,6 +59,12 @@ class ShardTask(Task):
     def on_failure(self, exc: BaseException, task_id: str, args: tuple, kwargs: dict, einfo: Any) -> None:
         # Called once retries are exhausted or the error is not transient: record why, never drop silently.
         job_id, shard_index = args
+        if isinstance(exc, StorageUnavailable):
+            # Still unreachable after the retries: a dead letter would have to go to that same storage, and the
+            # shard is not at fault. It waits, the job paused with the reason, and runs with fresh attempts later.
+            shards.pause(context(), job_id, shard_index, f"storage unavailable: {exc}")
+            self.apply_async(args=args, task_id=task_id, countdown=settings.storage_wait_s)
+            return
         with failure_kept(self, task_id, args):
             shards.dead_letter(self.kind, job_id, shard_index, exc, retries=self.request.retries, ctx=context())
 
@@ -75,7 +82,16 @@ def register(kind: JobKind) -> Task:
         max_retries=settings.task_max_retries,
     )
     def run_shard(self: ShardTask, job_id: str, shard_index: int) -> dict:
-        return shards.run_shard(self.kind, job_id, shard_index, context()).model_dump()
+        try:
+            return shards.run_shard(self.kind, job_id, shard_index, context()).model_dump()
+        except StorageFull as exc:
+            # A full store is no fault of the shard's: it waits for room however long that takes, spending no attempt
+            # (the same retry count goes with it), so the job goes on by itself once there is room.
+            countdown = settings.storage_wait_s
+            self.apply_async(
+                args=[job_id, shard_index], task_id=self.request.id, countdown=countdown, retries=self.request.retries
+            )
+            raise Retry(exc=exc, when=countdown) from exc
 
     return run_shard
 

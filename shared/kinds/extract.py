@@ -211,6 +211,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
         return InferenceClient(
             settings.inference_url,
             timeout_s=settings.inference_timeout_s,
+            health_timeout_s=settings.inference_health_timeout_s,
             max_concurrency=settings.inference_concurrency,
             transport=settings.capture_transport,
             shm_dir=settings.shm_dir,

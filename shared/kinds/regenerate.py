@@ -594,6 +594,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         decoding = InferenceClient(
             settings.inference_url,
             timeout_s=settings.inference_timeout_s,
+            health_timeout_s=settings.inference_health_timeout_s,
             max_concurrency=settings.regenerate_concurrency,
         )
         # The producer plans the chained extraction job: it has the model folder, and the plan is its job.

@@ -19,7 +19,9 @@ from shared.schemas import Manifest
 from shared.storage import ObjectNotFound, Storage
 
 # The job's own files besides its manifests and the sample files they name.
-_OWN_FILES = re.compile(r"(job\.json|vocab_mapping\.pt|rejected\.jsonl|dataset\.jsonl|inputs/shard_\d{6}\.json)")
+_OWN_FILES = re.compile(
+    r"(job\.json|vocab_mapping\.pt|rejected\.jsonl|dataset\.jsonl|cancelled|inputs/shard_\d{6}\.json)"
+)
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""A fault-injecting TCP proxy in front of an HTTP server (S3, an inference server): refused connections,
-connections reset mid-upload, 503 SlowDown, slow responses, 507 storage full for writes, requests that hang.
+"""A fault-injecting TCP proxy in front of an HTTP server (S3): refused connections, connections reset mid-upload,
+503 SlowDown, slow responses, 507 storage full for writes. (A hung server is a real one stopped with SIGSTOP.)
 
 Each request gets a connection of its own (the proxy adds `Connection: close`, a header SigV4 does not sign), so
 the fault is chosen per request: `proxy.fault = "reset"` applies to the next requests until set back to "none".
@@ -16,7 +16,7 @@ from typing import Literal
 
 from tests.fixtures.processes import free_port
 
-Fault = Literal["none", "refuse", "reset", "slowdown", "slow", "full", "hang"]
+Fault = Literal["none", "refuse", "reset", "slowdown", "slow", "full"]
 _ERROR = (
     "HTTP/1.1 {status}\r\nContent-Type: application/xml\r\nContent-Length: {length}\r\nConnection: close\r\n\r\n{body}"
 )
@@ -67,12 +67,6 @@ class FaultProxy:
             return
         method = head.split(b" ", 1)[0]
         fault = self.fault
-        if fault == "hang":  # read, never answer, until the fault is cleared; then drop the connection
-            self.injected += 1
-            while self.fault == "hang":
-                await asyncio.sleep(0.1)
-            _reset(client_writer)
-            return
         writes = method in (b"PUT", b"POST")
         if fault == "slowdown" or (fault == "full" and writes):
             self.injected += 1

@@ -88,7 +88,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         )
     terminalreporter.write_line(
-        "recover s: from the fault to the affected shard running again (worker kills) or committed (other faults)"
+        "recover s: from the fault to the affected shard running again (worker kills), to the last shard enqueued "
+        "(producer killed mid-enqueue), or to the next commit (other faults; from the end of a fault that lasts)"
     )
     for row in ROWS.values():
         if row.note:

@@ -25,7 +25,7 @@ class FaultStack:
     def __init__(self, stack: LocalStack, settings: Settings, storage: Storage) -> None:
         self.stack, self.settings, self.storage = stack, settings, storage
         self.redis = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
-        self.api = httpx.Client(base_url=stack.api_url, timeout=300)
+        self.api = stack.api_client(timeout_s=300)  # with the stack's API token
 
     def submit(self, dataset: Path, **spec: object) -> dict:
         response = self.api.post("/v1/jobs", json={"dataset_url": str(dataset), **spec})
@@ -49,6 +49,9 @@ class FaultStack:
                 pass  # Redis is down in some scenarios; the supervisor restarts it
             time.sleep(0.5)
         raise TimeoutError(f"job {job_id} not finished after {timeout_s}s: {self.progress(job_id)}")
+
+    def worker_logs(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.stack.log_dir.glob("worker-*.log")))
 
     def process(self, name: str) -> subprocess.Popen:
         return dict(self.stack.processes)[name]

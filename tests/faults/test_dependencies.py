@@ -1,7 +1,9 @@
 """Faults of what the workers depend on, over real processes: Redis killed (with and without persistence), the
-inference server killed mid-request, the producer killed mid-submit."""
+inference server killed or hung mid-request, the producer killed mid-submit."""
 
 import contextlib
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -13,18 +15,19 @@ import httpx
 import pytest
 import redis
 
-from shared import layout
+from shared import layout, progress, recovery
 from shared.demo_data import write_demo_dataset
 from shared.schemas import Manifest
+from shared.settings import Settings
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack
-from tests.faults.fault_proxy import fault_proxy
 from tests.faults.stack import FaultStack, wait_for
 from tests.fixtures.processes import free_port
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SHARD_TOKENS = 1500
+DEFAULTS = Settings(_env_file=None)
 
 
 def wait_next_commit(stack: FaultStack, job_id: str, *, timeout_s: float = 300) -> float:
@@ -64,10 +67,10 @@ def volatile_redis(tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen]
         process.wait()
 
 
-def test_redis_lost_without_persistence_job_resumed_from_storage(
+def test_redis_lost_without_persistence_job_recovers_by_itself(
     make_stack: MakeStack, chats: Path, volatile_redis: tuple[str, list[subprocess.Popen]], fault_table
 ) -> None:
-    row = fault_table("Redis SIGKILL + restart empty (no persistence), eagle3 resume")
+    row = fault_table("Redis SIGKILL + restart empty (no persistence), no manual step")
     url, processes = volatile_redis
     with make_stack(workers=2, redis_url=url) as stack:
         job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
@@ -77,12 +80,14 @@ def test_redis_lost_without_persistence_job_resumed_from_storage(
         processes[0].wait()
         processes.append(subprocess.Popen(processes[0].args, stdout=subprocess.DEVNULL))
         wait_for(lambda: stack.redis.ping(), 10, "empty Redis up")
-        assert not stack.redis.exists(f"eagle3:job:{job_id}")  # the job, its queue and its leases are gone
-        # Storage is the truth: resume recounts the committed shards and queues the rest.
-        wait_for(lambda: stack.api.post(f"/v1/jobs/{job_id}/resume").status_code == 200, 60, "resume accepted")
+        assert not stack.redis.exists(progress.job_key(job_id))  # the job, its queue and its leases are gone
+        # No `eagle3 resume`: a worker's reaper finds Redis's state marker gone and recovers the job from storage.
+        wait_for(lambda: stack.redis.exists(progress.job_key(job_id)), 120, "the job recovered by a worker")
         row.recover_s = wait_next_commit(stack, job_id) - killed_at
         p = stack.wait(job_id, supervise=False)
         row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
+        logs = stack.worker_logs()
+    assert f"job {job_id} recovered from storage after Redis lost its state" in logs
     assert row.audit.clean, row.audit.explain()
     assert (p.state, p.samples_done, p.tokens_done) == ("completed", p.samples_total, p.tokens_total), p
 
@@ -103,11 +108,11 @@ def test_inference_server_killed_mid_request_and_restarted(make_stack: MakeStack
     assert (p.state, p.samples_done, p.shards_dead_lettered) == ("completed", p.samples_total, 0), p
 
 
-def test_producer_killed_mid_submit_leaves_no_half_job(make_stack: MakeStack, tmp_path: Path, fault_table) -> None:
-    row = fault_table("producer SIGKILL mid-submit")
+def test_producer_killed_while_planning_leaves_no_half_job(make_stack: MakeStack, tmp_path: Path, fault_table) -> None:
+    row = fault_table("producer SIGKILL mid-planning (before job.json)")
     # One conversation per shard: planning writes many input files, a wide window to kill the producer in.
     dataset = write_demo_dataset(tmp_path / "small.jsonl", num_conversations=24, seed=1)
-    spec = {"dataset_url": str(dataset), "shard_token_budget": 64, "job_id": "job-faults-mid-submit"}
+    spec = {"dataset_url": str(dataset), "shard_token_budget": 64, "job_id": "job-faults-mid-planning"}
     with make_stack(workers=2) as stack:
         inputs = f"{spec['job_id']}/inputs/"
         submit = threading.Thread(target=lambda: _post_ignoring_errors(stack.api, spec), daemon=True)
@@ -120,14 +125,48 @@ def test_producer_killed_mid_submit_leaves_no_half_job(make_stack: MakeStack, tm
         if not planned:  # absent: no job record, nothing queued; submitting again plans it whole
             assert stack.api.get(f"/v1/jobs/{spec['job_id']}").status_code == 404
             assert stack.api.post("/v1/jobs", json=spec).status_code == 201
-        else:  # planned whole (job.json is written last); resume queues any shard not yet enqueued
-            assert stack.api.post(f"/v1/jobs/{spec['job_id']}/resume").status_code == 200
+        # else planned whole (job.json is written after every plan file): it finishes by itself, as below
         p = stack.wait(spec["job_id"])
         row.recover_s = time.monotonic() - killed_at
-        row.note = "killed before job.json: absent, resubmitted" if not planned else "killed after job.json: resumed"
+        row.note = "killed before job.json: absent, resubmitted" if not planned else "killed after job.json: finished"
         row.audit, row.reruns = audit_job(stack.storage, spec["job_id"]), p.shards_rerun
     assert row.audit.clean, row.audit.explain()
     assert (p.state, p.samples_done) == ("completed", p.samples_total), p
+
+
+def test_producer_killed_while_enqueueing_leaves_the_job_to_the_workers(
+    make_stack: MakeStack, tmp_path: Path, fault_table
+) -> None:
+    row = fault_table("producer SIGKILL mid-enqueue (after job.json), no manual step")
+    dataset = write_demo_dataset(tmp_path / "small.jsonl", num_conversations=60, seed=2)
+    job_id = "job-faults-mid-enqueue"
+    spec = {"dataset_url": str(dataset), "shard_token_budget": 64, "job_id": job_id}
+    with make_stack(workers=2) as stack:
+        key = progress.job_key(job_id)
+        submit = threading.Thread(target=lambda: _post_ignoring_errors(stack.api, spec), daemon=True)
+        submit.start()
+
+        def enqueued() -> int:
+            return int(stack.redis.hget(key, recovery.ENQUEUED_FIELD) or 0)
+
+        # Stop the producer the moment it has enqueued a shard, then kill it: it dies between two enqueues.
+        wait_for(lambda: enqueued() >= 1 or not submit.is_alive(), 300, "enqueueing started", interval_s=0)
+        os.killpg(stack.process("producer").pid, signal.SIGSTOP)
+        assert submit.is_alive(), "the submit ended before the producer could be stopped mid-enqueue"
+        killed_at = stack.kill_whole("producer")
+        submit.join(timeout=30)
+        sent, total = enqueued(), int(stack.redis.hget(key, "shards_total"))
+        assert stack.storage.exists(layout.job_json(job_id)) and 0 < sent < total, (sent, total)
+        # No resume: a worker's reaper sees the enqueueing stalled for a lease period and enqueues the rest.
+        wait_for(lambda: enqueued() == total, 180, "the rest enqueued by a worker")
+        row.recover_s = time.monotonic() - killed_at
+        p = stack.wait(job_id)
+        row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
+        row.note = f"killed after enqueueing {sent} of {total} shards; a worker enqueued the rest"
+        logs = stack.worker_logs()
+    assert f"job {job_id}: its producer stopped after enqueueing {sent} of {total} shards" in logs
+    assert row.audit.clean, row.audit.explain()
+    assert (p.state, p.samples_done, p.shards_dead_lettered) == ("completed", p.samples_total, 0), p
 
 
 def _post_ignoring_errors(api: httpx.Client, spec: dict) -> None:
@@ -135,35 +174,40 @@ def _post_ignoring_errors(api: httpx.Client, spec: dict) -> None:
         api.post("/v1/jobs", json=spec)
 
 
-HANG_TIMEOUT_S = 20.0  # EAGLE3_INFERENCE_TIMEOUT_S for this scenario only (default 300 s): one hang, not five minutes
-
-
-def test_inference_server_that_hangs_times_out_and_recovers(make_stack: MakeStack, chats: Path, fault_table) -> None:
-    row = fault_table(f"inference hangs 45 s (request timeout {HANG_TIMEOUT_S:.0f} s)")
-    with (
-        make_stack(workers=0, inference_timeout_s=HANG_TIMEOUT_S) as stack,
-        fault_proxy(stack.stack.env["EAGLE3_INFERENCE_URL"]) as proxy,
-    ):
-        # The workers reach the server through the proxy; the producer does not call it.
-        stack.stack.env = {**stack.stack.env, "EAGLE3_INFERENCE_URL": proxy.endpoint_url}
-        for _ in range(2):
-            stack.stack.add_worker()
+def test_inference_server_that_hangs_is_abandoned_and_the_shard_completes(
+    make_stack: MakeStack, chats: Path, fault_table
+) -> None:
+    """SIGSTOP the real server mid-request (TCP still accepts, nothing answers), every setting at its default: the
+    workers abandon their requests once /health has been silent for EAGLE3_INFERENCE_HEALTH_TIMEOUT_S (60 s), not
+    after the 300 s request timeout; their retries wait for the server; SIGCONT, and the job finishes by itself."""
+    row = fault_table("inference server hangs (SIGSTOP) 90 s mid-request, default timeouts")
+    with make_stack(workers=2) as stack:
+        settings = stack.settings
+        assert (settings.inference_timeout_s, settings.inference_health_timeout_s) == (
+            DEFAULTS.inference_timeout_s,
+            DEFAULTS.inference_health_timeout_s,
+        )  # production behaviour, nothing shortened
         job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
         stack.lease_mid_shard(job_id)
-        proxy.fault = "hang"
-        wait_for(lambda: proxy.injected >= 2, 60, "requests hanging")
-        hung = proxy.injected
-        time.sleep(45)  # more than two request timeouts: the workers time out, back off and try again
-        retried_during_hang = proxy.injected - hung
-        proxy.fault = "none"
-        released = time.monotonic()
-        row.recover_s = wait_next_commit(stack, job_id) - released
-        p = stack.wait(job_id, supervise=False)
-        if p.state == "completed_with_errors":
-            assert stack.api.post(f"/v1/jobs/{job_id}/resume").status_code == 200
-            row.note = f"{p.shards_dead_lettered} shard(s) dead-lettered during the hang; resumed"
-            p = stack.wait(job_id, supervise=False)
+        server = stack.process("inference")
+        os.killpg(server.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            wait_for(lambda: "the server hangs" in stack.worker_logs(), 240, "a worker abandoning a hung request")
+            detected_s = time.monotonic() - stopped_at
+            time.sleep(max(90 - detected_s, 0))  # still hung: the retries wait for /health instead of failing
+        finally:
+            os.killpg(server.pid, signal.SIGCONT)
+        resumed_at = time.monotonic()
+        row.recover_s = wait_next_commit(stack, job_id) - resumed_at
+        p = stack.wait(job_id, supervise=False)  # no resume: the job finishes by itself
         row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
-    assert retried_during_hang > 0  # no worker waited on a hung request forever: they timed out and retried
+        row.extra["hang_detected_s"] = detected_s
+        row.note = (
+            f"requests abandoned {detected_s:.0f}s after SIGSTOP (health timeout "
+            f"{settings.inference_health_timeout_s:.0f}s, request timeout {settings.inference_timeout_s:.0f}s)"
+        )
+    # Silence counts from the last answer, up to one probe interval (5 s) before the SIGSTOP.
+    assert settings.inference_health_timeout_s - 5 <= detected_s < settings.inference_timeout_s, detected_s
     assert row.audit.clean, row.audit.explain()
-    assert (p.state, p.samples_done) == ("completed", p.samples_total), p
+    assert (p.state, p.samples_done, p.shards_dead_lettered) == ("completed", p.samples_total, 0), p

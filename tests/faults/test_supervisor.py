@@ -43,6 +43,8 @@ def test_up_restarts_a_dead_worker_and_keeps_the_rest(tiny_model_dir: Path, tmp_
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            # A test run started with SIGINT ignored (`cmd &` in a script) would pass that on: Ctrl-C must work here.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         wait_until(lambda: "stack up" in terminal.read_text() or up.poll() is not None, timeout_s=240)

@@ -2,16 +2,19 @@
 collected instead of sent, so these tests see exactly what would be enqueued. The client sends the API token;
 tests/integration/test_security.py covers what happens without it."""
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 from fastapi.testclient import TestClient
 
 from services.producer.app import create_app
 from services.producer.deps import get_enqueue
 from shared.settings import Settings
 from tests.datasets import BAD_LINES, write_dataset
+from tests.fixtures.processes import free_port, wait_until
 
 API_TOKEN = "producer-api-test-token-0123456789"
 
@@ -122,6 +125,46 @@ def test_unreachable_redis_is_a_clear_503(tmp_path: Path, tiny_model_dir: Path) 
         response = api.client.post("/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(tiny_model_dir)})
         assert response.status_code == 503 and "Redis at redis://127.0.0.1:1/0 is not reachable" in response.text
         assert api.enqueued == []
+
+
+def test_every_endpoint_answers_503_with_retry_after_while_redis_is_down(tmp_path: Path, tiny_model_dir: Path) -> None:
+    port = free_port()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    server = subprocess.Popen([*argv, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_until(lambda: redis.Redis.from_url(url).ping(), timeout_s=10)
+        dataset, _ = write_dataset(tmp_path / "data.jsonl")
+        for api in make_api(api_settings(tmp_path, tiny_model_dir, redis_url=url)):
+            spec = {"dataset_url": str(dataset), "model_path": str(tiny_model_dir)}
+            job_id = api.client.post("/v1/jobs", json=spec).json()["job"]["job_id"]
+            server.terminate()  # a real Redis, stopped
+            server.wait(timeout=10)
+            requests = [
+                ("GET", "/v1/jobs"),
+                ("GET", f"/v1/jobs/{job_id}"),
+                ("GET", f"/v1/jobs/{job_id}/progress"),
+                ("GET", f"/v1/jobs/{job_id}/details"),
+                ("GET", f"/v1/jobs/{job_id}/timeline"),
+                ("GET", "/v1/overview"),
+                ("GET", "/v1/cluster"),
+                ("GET", "/metrics"),
+                ("POST", f"/v1/jobs/{job_id}/cancel"),
+                ("POST", f"/v1/jobs/{job_id}/resume"),
+                ("POST", "/v1/jobs"),
+            ]
+            for method, path in requests:
+                response = api.client.request(method, path, json=spec if path == "/v1/jobs" else None)
+                assert response.status_code == 503, (method, path, response.status_code, response.text)
+                assert response.headers["Retry-After"] == "5", (method, path)
+                assert f"Redis at {url} is not reachable" in response.json()["detail"], (method, path)
+            assert api.client.get("/health").status_code == 200  # the API itself is alive: it only waits for Redis
+            server = subprocess.Popen([*argv, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+            wait_until(lambda: redis.Redis.from_url(url).ping(), timeout_s=10)
+            assert api.client.get("/v1/jobs").status_code == 200  # back without a restart of the API
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_unreachable_storage_is_a_clear_503(redis_url: str, tmp_path: Path, tiny_model_dir: Path) -> None:

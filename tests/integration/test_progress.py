@@ -130,3 +130,18 @@ def test_rebuild_recounts_from_storage(redis_url: str, tmp_path) -> None:
     p = progress.job_progress(client, "job-a")
     assert (p.shards_committed, p.tokens_done, p.shards_dead_lettered, p.tokens_failed) == (2, 200, 1, 60)
     assert p.state == "completed_with_errors"
+
+
+def test_a_paused_job_says_why_until_a_shard_commits(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    progress.register_job(client, make_job(), "file:///tmp/x")
+    reason = "storage full: s3 put b/k: storage full (InsufficientStorage: no room)"
+    progress.record_pause(client, "job-a", reason)
+    p = progress.job_progress(client, "job-a")
+    assert (p.state, p.paused_reason) == ("paused", reason)
+    assert not p.finished
+    progress.record_commit(client, make_manifest(0))  # storage took a manifest: there is room again
+    p = progress.job_progress(client, "job-a")
+    assert (p.state, p.paused_reason) == ("running", None)
+    progress.record_pause(client, "job-gone", "storage full")  # a job Redis does not know is not half-created
+    assert not client.exists(progress.job_key("job-gone"))

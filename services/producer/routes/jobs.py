@@ -6,7 +6,15 @@ from typing import Annotated
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, ValidationError
 
-from services.producer.deps import Authorized, EnqueueDep, JobIdPath, RedisDep, SettingsDep, StorageDep
+from services.producer.deps import (
+    RETRY_AFTER_S,
+    Authorized,
+    EnqueueDep,
+    JobIdPath,
+    RedisDep,
+    SettingsDep,
+    StorageDep,
+)
 from shared import jobs, layout, progress
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
 from shared.kinds import kind_of
@@ -28,7 +36,9 @@ def _submit(
     except OverBudget as exc:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(exc)) from exc
     except DependencyUnavailable as exc:
-        raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from exc
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from exc
     except SubmitError as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
     return JobPublic(job=job, progress=_progress(job.job_id, settings, client))
@@ -120,10 +130,10 @@ def get_failed(job_id: JobIdPath, storage: StorageDep) -> list[FailedConversatio
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
-def cancel_job(job_id: JobIdPath, settings: SettingsDep, client: RedisDep) -> Progress:
+def cancel_job(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> Progress:
     """Queued shards are skipped; shards already running finish and stay committed."""
     try:
-        progress.cancel(client, job_id)
+        jobs.cancel(job_id, storage=storage, client=client)
     except JobNotFound as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
     return _progress(job_id, settings, client)

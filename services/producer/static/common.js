@@ -66,6 +66,13 @@ function stateBadge(state) {
   return `<span class="state state-${state}" data-state="${state}">${state.replaceAll("_", " ")}</span>`;
 }
 
+// A paused job says why under its state (storage full, ...): it goes on by itself once the reason is gone.
+function pausedReason(p) {
+  if (p.paused_reason === null || p.paused_reason === undefined) return "";
+  const short = p.paused_reason.length > 60 ? p.paused_reason.slice(0, 60) + "…" : p.paused_reason;
+  return `<div class="sub warn" data-field="paused_reason" title="${escapeHtml(p.paused_reason)}">paused: ${escapeHtml(short)}</div>`;
+}
+
 function stalledFlag(activity) {
   if (!activity.stalled) return "";
   return `<span class="flag stalled" data-stalled="true" title="queued or running, and no shard committed for ${duration(

@@ -21,7 +21,7 @@ function renderCards(p, a, serverTs) {
     card("stored", bytes(p.bytes_stored), "bytes_stored", `projected ${bytes(p.projected_total_bytes)} · ${compact(p.bytes_per_token)} B/token`),
     card("budget headroom", headroomCell(p), "headroom"),
   ].join("");
-  document.getElementById("job-state").innerHTML = `<span class="kind">${p.kind}</span> ${stateBadge(p.state)}${stalledFlag(a)}`;
+  document.getElementById("job-state").innerHTML = `<span class="kind">${p.kind}</span> ${stateBadge(p.state)}${stalledFlag(a)}${pausedReason(p)}`;
 }
 
 function renderSettings(details) {

@@ -9,7 +9,7 @@ function jobRow({ progress: p, activity: a }, serverTs) {
   return `<tr data-job-id="${escapeHtml(p.job_id)}" data-state="${p.state}">
     <td class="left job"><a class="mono" href="${link}">${escapeHtml(p.job_id)}</a>
       <div class="sub"><span class="kind" data-field="kind">${p.kind}</span> ${clock(Date.parse(p.created_at) / 1000)}</div></td>
-    <td class="left state-cell">${stateBadge(p.state)}${stalledFlag(a)}</td>
+    <td class="left state-cell">${stateBadge(p.state)}${stalledFlag(a)}${pausedReason(p)}</td>
     <td>${done.toFixed(1)}%<br><span class="bar" title="${done.toFixed(1)}% committed, ${failed.toFixed(1)}% failed"><span class="failed" style="width:${failed}%"></span><span style="width:${done}%"></span></span>
       <div class="sub" data-field="tokens_done" data-value="${p.tokens_done}" title="${exact(p.tokens_done)} of ${exact(p.tokens_total)} tokens">${compact(p.tokens_done)} / ${compact(p.tokens_total)}</div></td>
     <td data-field="tokens_per_second">${rateCell(p, a)}</td>

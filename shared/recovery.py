@@ -1,0 +1,203 @@
+"""A job finishes by itself when what drives it dies: its producer killed while it enqueues the shards, or Redis
+restarted without its data. Storage is the truth in both cases; the workers' lease reaper runs both checks
+(services/worker/leasing.py).
+
+Publishing. A submit writes job.json (from then on the job is fully planned), registers the job in Redis, then
+enqueues one task per shard in order. Each enqueue moves a checkpoint: `shards_enqueued` in the job's hash, and the
+job's score in `eagle3:publishing` (Redis server time). A publishing that has not moved for `shard_lease_s` lost
+its producer; a reaper takes it over and enqueues the rest, so a planned job is never left half enqueued. A shard
+sent twice (the producer died between an enqueue and its checkpoint) runs once: commits are create-only.
+
+Redis lost. Every published job has an entry in storage's job index (`_jobs/{job_id}`), and Redis holds a marker key
+(`eagle3:state-marker`, a random value) that every worker reads when it starts. A reaper that finds the marker gone
+or changed knows Redis lost its state since (restarted without persistence, flushed). Under a lock, one worker
+re-registers every indexed job that Redis does not know, recounts its progress from the manifests and dead letters,
+and publishes its unfinished shards as above; a job cancelled before (its `cancelled` object in storage) stays
+cancelled, dead-lettered shards stay dead-lettered (an operator's `eagle3 resume` runs them). `eagle3 resume JOB`
+does the same for one job, and is what a Redis needs that lost its state while no worker was running.
+"""
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+import redis
+
+from shared import layout, progress
+from shared.errors import JobNotFound
+from shared.kinds import kind_of
+from shared.schemas import JobRecord
+from shared.shards import load_job
+from shared.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+Enqueue = Callable[[str, str, int], None]  # (kind, job id, shard index): sends one shard task
+
+PUBLISHING = "eagle3:publishing"
+STATE_MARKER = "eagle3:state-marker"
+RECOVERED_EPOCH = "eagle3:recovered-marker"  # the marker value whose jobs have been recovered
+RECOVERY_LOCK = "eagle3:recovering"
+RECOVERY_LOCK_S = 600  # a recovering worker that dies leaves the lock for this long at most
+ENQUEUED_FIELD = "shards_enqueued"
+
+# ARGV: job id, shards enqueued so far. The score is the Redis server's clock, so that worker clocks may disagree.
+# A job Redis lost meanwhile is not half-recreated: the Redis-loss recovery registers and publishes it whole.
+_CHECKPOINT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'shards_enqueued', ARGV[2])
+redis.call('ZADD', KEYS[2], tonumber(t[1]), ARGV[1])
+return 1
+"""
+
+# Publishings whose checkpoint is older than ARGV[1] seconds; claiming one moves its score to now, so that of
+# several reapers only one takes it over (until it too stops moving).
+_CLAIM_STALLED = """
+local t = redis.call('TIME')
+local now = tonumber(t[1])
+local stalled = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'LIMIT', 0, tonumber(ARGV[2]))
+for _, job_id in ipairs(stalled) do
+  redis.call('ZADD', KEYS[1], now, job_id)
+end
+return stalled
+"""
+
+
+def index_job(storage: Storage, job_id: str) -> None:
+    """The job's entry in storage's job index, which outlives Redis."""
+    storage.put(layout.job_index_entry(job_id), b"")
+
+
+def publish(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue, start: int = 0) -> int:
+    """Enqueue every shard from `start` on that has neither a manifest nor a dead letter, checkpointing each;
+    returns how many were sent."""
+    manifests, letters = layout.manifests_prefix(job.job_id), layout.dead_letter_prefix(job.job_id)
+    finished = {layout.shard_index_from_manifest_key(k) for k in storage.list(manifests)}
+    finished |= {layout.shard_index_from_dead_letter_key(k) for k in storage.list(letters)}
+    keys = [progress.job_key(job.job_id), PUBLISHING]
+    client.eval(_CHECKPOINT, 2, *keys, job.job_id, start)
+    sent = 0
+    for shard_index in range(start, job.shards_total):
+        if shard_index not in finished:
+            enqueue(job.kind, job.job_id, shard_index)
+            sent += 1
+        client.eval(_CHECKPOINT, 2, *keys, job.job_id, shard_index + 1)
+    client.zrem(PUBLISHING, job.job_id)
+    return sent
+
+
+def take_over_stalled_publishing(
+    storage: Storage, client: redis.Redis, *, enqueue: Enqueue, stalled_after_s: float, limit: int = 10
+) -> list[str]:
+    """Finish the publishing of every job whose producer stopped enqueueing; returns their ids."""
+    taken = []
+    for raw in client.eval(_CLAIM_STALLED, 1, PUBLISHING, stalled_after_s, limit):
+        job_id = raw.decode()
+        enqueued = client.hget(progress.job_key(job_id), ENQUEUED_FIELD)
+        if enqueued is None:  # Redis lost the job meanwhile: the Redis-loss recovery publishes it
+            client.zrem(PUBLISHING, job_id)
+            continue
+        try:
+            job = load_job(storage, job_id)
+        except JobNotFound:  # deleted from storage since: nothing left to enqueue
+            client.zrem(PUBLISHING, job_id)
+            continue
+        sent = publish(storage, client, job, enqueue=enqueue, start=int(enqueued))
+        logger.warning(
+            "job %s: its producer stopped after enqueueing %d of %d shards (no progress for %.0fs); "
+            "enqueued the other %d",
+            job_id,
+            int(enqueued),
+            job.shards_total,
+            stalled_after_s,
+            sent,
+        )
+        taken.append(job_id)
+    return taken
+
+
+class RedisState:
+    """One worker's memory of the Redis state it works with: the value of Redis's marker key, which a Redis that lost
+    its data no longer has. A worker adopts the marker when it starts (and creates it in a new Redis); a later look
+    that finds it gone or different means Redis lost its state since, and the jobs are recovered from storage. A
+    Redis found empty by workers that all start after the loss looks new: its jobs need `eagle3 resume`."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        self.epoch: str | None = None
+
+    def adopt(self, client: redis.Redis) -> None:
+        if self.epoch is None:
+            self.epoch = _marker(client)
+
+    def check(self, storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> list[str]:
+        """Recover the jobs if Redis lost its state since the last look (one worker does it, under a lock);
+        returns the ids of the jobs recovered here."""
+        current = _marker(client)
+        if self.epoch is None:
+            self.epoch = current
+        if current == self.epoch:
+            return []
+        if client.get(RECOVERED_EPOCH) == current.encode():  # another worker has recovered them
+            self.epoch = current
+            return []
+        if not client.set(RECOVERY_LOCK, self.holder, nx=True, ex=RECOVERY_LOCK_S):
+            return []  # another worker is at it; the next look sees whether it finished
+        started = time.monotonic()
+        try:
+            recovered = recover_jobs(storage, client, enqueue=enqueue)
+            client.set(RECOVERED_EPOCH, current)
+        finally:
+            client.delete(RECOVERY_LOCK)
+        self.epoch = current
+        logger.warning(
+            "Redis had lost its state (marker %s gone): %d job(s) recovered from storage in %.1fs",
+            STATE_MARKER,
+            len(recovered),
+            time.monotonic() - started,
+        )
+        return recovered
+
+
+def _marker(client: redis.Redis) -> str:
+    """The marker's value, created if Redis has none (a new Redis, or one that lost its state)."""
+    client.set(STATE_MARKER, secrets.token_hex(8), nx=True)
+    return client.get(STATE_MARKER).decode()
+
+
+def recover_jobs(storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> list[str]:
+    """Register and publish every job of storage's index that Redis does not know; returns their ids."""
+    recovered = []
+    for key in storage.list(layout.JOB_INDEX_PREFIX):
+        job_id = key.removeprefix(layout.JOB_INDEX_PREFIX)
+        if client.exists(progress.job_key(job_id)):
+            continue  # registered since the loss (a new submit): it is being published
+        try:
+            job = load_job(storage, job_id)
+        except JobNotFound:
+            continue  # its submit died before job.json: there is no job
+        recovered.append(job_id)
+        sent = recover_job(storage, client, job, enqueue=enqueue)
+        logger.warning("job %s recovered from storage after Redis lost its state: %d shard(s) enqueued", job_id, sent)
+    return recovered
+
+
+def recover_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue) -> int:
+    """Register a job Redis does not know, with its progress recounted from storage, and publish its unfinished
+    shards unless it was cancelled; returns how many shards were enqueued."""
+    progress.register_job(client, job, storage.url)
+    progress.rebuild(client, storage, job)
+    if storage.exists(layout.cancelled(job.job_id)):
+        client.hset(progress.job_key(job.job_id), "cancelled", 1)
+        return 0
+    sent = publish(storage, client, job, enqueue=enqueue)
+    committed = progress.committed_shards(client, job.job_id)
+    pending = [k for k in range(job.shards_total) if k not in committed]
+    # What else the kind runs again (a regenerate job whose shards are all committed assembles its output again:
+    # whether it had was in Redis).
+    again = kind_of(job.kind).after_resume(storage, client, job, pending)
+    for shard_index in again:
+        enqueue(job.kind, job.job_id, shard_index)
+    return sent + len(again)

@@ -1,0 +1,109 @@
+"""Recovery against a real Redis and real file storage: a producer that died while enqueueing, and Redis that lost
+its state. The same over real processes (a killed producer, a Redis restarted empty) is in the fault suite."""
+
+from pathlib import Path
+
+import pytest
+import redis
+
+from shared import layout, progress, recovery
+from shared.schemas import DeadLetter, JobRecord
+from shared.storage import Storage, open_storage
+from tests.integration.test_progress import make_job, make_manifest
+
+
+class Died(Exception):
+    """The producer, killed between two enqueues."""
+
+
+@pytest.fixture
+def client(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture
+def storage(tmp_path: Path) -> Storage:
+    return open_storage(tmp_path.as_uri())
+
+
+def published(storage: Storage, client: redis.Redis, job: JobRecord) -> None:
+    """What submit leaves: the index entry, job.json, the job registered."""
+    recovery.index_job(storage, job.job_id)
+    storage.put(layout.job_json(job.job_id), job.model_dump_json().encode())
+    progress.register_job(client, job, storage.url)
+
+
+def test_a_stalled_enqueueing_is_finished_by_a_reaper(client: redis.Redis, storage: Storage) -> None:
+    job = make_job(shards=5)
+    published(storage, client, job)
+    sent: list[int] = []
+
+    def dies_after_two(kind: str, job_id: str, shard_index: int) -> None:
+        if len(sent) == 2:
+            raise Died
+        sent.append(shard_index)
+
+    with pytest.raises(Died):
+        recovery.publish(storage, client, job, enqueue=dies_after_two)
+    assert client.hget(progress.job_key("job-a"), recovery.ENQUEUED_FIELD) == b"2"
+    # Not stalled yet for a reaper that waits a lease period.
+    assert recovery.take_over_stalled_publishing(storage, client, enqueue=dies_after_two, stalled_after_s=60) == []
+
+    rest: list[int] = []
+    taken = recovery.take_over_stalled_publishing(
+        storage, client, enqueue=lambda kind, job_id, k: rest.append(k), stalled_after_s=0
+    )
+    assert taken == ["job-a"] and sent + rest == [0, 1, 2, 3, 4]
+    assert client.hget(progress.job_key("job-a"), recovery.ENQUEUED_FIELD) == b"5"
+    assert not client.zscore(recovery.PUBLISHING, "job-a")  # finished: no reaper takes it again
+    assert recovery.take_over_stalled_publishing(storage, client, enqueue=rest.append, stalled_after_s=0) == []
+
+
+def test_redis_lost_jobs_are_recovered_from_storage_once(client: redis.Redis, storage: Storage) -> None:
+    running, cancelled = make_job(shards=4), make_job(shards=2).model_copy(update={"job_id": "job-b"})
+    for job in (running, cancelled):
+        published(storage, client, job)
+    storage.put(layout.manifest("job-a", 0), make_manifest(0).model_dump_json().encode())
+    letter = DeadLetter(job_id="job-a", shard_index=2, error_type="E", reason="r", retries=5, worker="w")
+    storage.put(layout.dead_letter("job-a", 2), letter.model_dump_json().encode())
+    storage.put(layout.shard_input("job-a", 2), b'{"job_id": "job-a", "shard_index": 2, "samples": []}')
+    storage.put(layout.cancelled("job-b"), b"")
+    recovery.index_job(storage, "job-never-planned")  # its submit died before job.json
+    sent: list[tuple[str, int]] = []
+
+    def enqueue(kind: str, job_id: str, shard_index: int) -> None:
+        sent.append((job_id, shard_index))
+
+    first, second = recovery.RedisState("w1"), recovery.RedisState("w2")
+    first.adopt(client)  # both workers start with this Redis
+    second.adopt(client)
+    assert first.check(storage, client, enqueue=enqueue) == [] and sent == []  # nothing lost
+    client.flushdb()  # Redis lost everything
+    assert first.check(storage, client, enqueue=enqueue) == ["job-a", "job-b"]
+    # Committed shard 0 and dead-lettered shard 2 are not run again; cancelled job-b not at all.
+    assert sent == [("job-a", 1), ("job-a", 3)]
+    a, b = progress.job_progress(client, "job-a"), progress.job_progress(client, "job-b")
+    assert (a.state, a.shards_committed, a.tokens_done, a.shards_dead_lettered) == ("running", 1, 100, 1)
+    assert b.state == "cancelled"
+    assert second.check(storage, client, enqueue=enqueue) == []  # w1 did it: w2 only moves on
+    assert first.check(storage, client, enqueue=enqueue) == [] and len(sent) == 2
+
+
+def test_a_new_redis_is_not_taken_for_a_lost_one(client: redis.Redis, storage: Storage) -> None:
+    """Workers that start on an empty Redis (a new deployment, `make demo`) leave storage's old jobs alone."""
+    published(storage, client, make_job())
+    client.flushdb()
+    state = recovery.RedisState("w1")
+    state.adopt(client)
+    assert state.check(storage, client, enqueue=lambda *a: pytest.fail("nothing to enqueue")) == []
+    assert not client.exists(progress.job_key("job-a"))
+
+
+def test_a_recovery_under_way_is_not_repeated_by_another_worker(client: redis.Redis, storage: Storage) -> None:
+    published(storage, client, make_job())
+    state = recovery.RedisState("w2")
+    state.adopt(client)
+    client.flushdb()
+    client.set(recovery.RECOVERY_LOCK, "w1", ex=60)  # w1 is recovering
+    assert state.check(storage, client, enqueue=lambda *a: pytest.fail("w1 enqueues")) == []
+    assert state.epoch != client.get(recovery.STATE_MARKER).decode()  # w2 looks again until w1 is done
