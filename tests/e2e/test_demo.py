@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from eagle3.demo import MIN_TRAIN_SECONDS
-from tests.fixtures.processes import wait_until
+from tests.fixtures.processes import default_sigint, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,11 @@ def test_demo_writes_a_report_and_runs_twice(tmp_path: Path, tiny_model_dir: Pat
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path, tiny_model_dir: Path, redis_url: str) -> None:
     log = (tmp_path / "demo.log").open("w")
     demo = subprocess.Popen(
-        demo_argv(tiny_model_dir), env=demo_env(tmp_path, redis_url), stdout=log, stderr=subprocess.STDOUT
+        demo_argv(tiny_model_dir),
+        env=demo_env(tmp_path, redis_url),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=default_sigint,
     )
     try:
         # Wait until the whole stack runs: inference server, two workers and the producer.

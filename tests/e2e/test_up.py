@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.datasets import write_dataset
-from tests.fixtures.processes import free_port, wait_until
+from tests.fixtures.processes import default_sigint, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,7 @@ def test_eagle3_up_hands_its_session_token_to_the_cli(tmp_path: Path, tiny_model
             cwd=tmp_path,
             stdout=log,
             stderr=subprocess.STDOUT,
+            preexec_fn=default_sigint,
         )
     try:
         wait_until(lambda: "stack up" in (tmp_path / "up.log").read_text(), timeout_s=300)

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures.processes import free_port, wait_until
+from tests.fixtures.processes import default_sigint, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,7 @@ def test_up_restarts_a_dead_worker_and_keeps_the_rest(tiny_model_dir: Path, tmp_
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            # A test run started with SIGINT ignored (`cmd &` in a script) would pass that on: Ctrl-C must work here.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            preexec_fn=default_sigint,
         )
     try:
         wait_until(lambda: "stack up" in terminal.read_text() or up.poll() is not None, timeout_s=240)
