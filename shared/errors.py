@@ -43,6 +43,10 @@ class InferenceUnavailable(TransientError):
     """The inference server refused, timed out, or answered 5xx."""
 
 
+class QueueUnavailable(TransientError):
+    """Redis (the queue and the jobs' progress) cannot be reached."""
+
+
 class StorageUnavailable(TransientError):
     """The object store refused, timed out, throttled, or is full."""
 

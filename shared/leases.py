@@ -99,6 +99,18 @@ redis.call('ZREM', KEYS[1], ARGV[3])
 return 1
 """
 
+# A run that ended without an outcome the reaper can trust: its lease expires now (if still this delivery's), and
+# the next reaper looks in storage whether the shard needs sending again.
+_HAND_BACK = (
+    _NOW
+    + """
+local owner = redis.call('HMGET', KEYS[2], 'holder', 'delivery_tag')
+if owner[1] ~= ARGV[1] or owner[2] ~= ARGV[2] then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now, ARGV[3])
+return 1
+"""
+)
+
 # Removing the id from the sorted set is the claim: of several reapers, exactly one gets each expired lease.
 _CLAIM_EXPIRED = (
     _NOW
@@ -154,6 +166,15 @@ def release(client: redis.Redis, lease: Lease) -> bool:
     return bool(
         client.eval(
             _RELEASE, 2, LEASES, LEASE_PREFIX + lease.lease_id, lease.holder, lease.delivery_tag, lease.lease_id
+        )
+    )
+
+
+def hand_back(client: redis.Redis, lease: Lease) -> bool:
+    """Let the lease expire now if it is still this delivery's (the next reaper decides); True if it was."""
+    return bool(
+        client.eval(
+            _HAND_BACK, 2, LEASES, LEASE_PREFIX + lease.lease_id, lease.holder, lease.delivery_tag, lease.lease_id
         )
     )
 

@@ -90,6 +90,12 @@ class Settings(BaseSettings):
         default=60.0, gt=0, description="a shard whose worker stops renewing its lease for this long runs again"
     )
     lease_reaper_interval_s: float = Field(default=15.0, gt=0, description="how often workers look for expired leases")
+    redis_outage_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a shard's Redis calls retry for about this long through a Redis outage (restart, failover); "
+        "a longer outage hands the shard back to the lease reaper",
+    )
 
     # Producer API
     api_host: str = "127.0.0.1"

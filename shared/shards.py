@@ -18,7 +18,7 @@ import redis
 from pydantic import BaseModel
 
 from shared import layout, progress
-from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound, StorageFull
+from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
 from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
 from shared.storage import ObjectNotFound, Storage
@@ -94,25 +94,8 @@ def _outcome(manifest: Any, status: Literal["committed", "already_committed"], s
 
 
 def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
-    try:
-        return _run_shard(kind, job_id, shard_index, ctx)
-    except StorageFull as exc:
-        # Not this shard's fault, and no retry soon will help: the task runs the shard again later without spending
-        # an attempt (services/worker/tasks.py).
-        pause(ctx, job_id, shard_index, f"storage full: {exc}")
-        raise
-
-
-def pause(ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> None:
-    """The shard waits for storage: the job's state is `paused` with this reason until a shard commits again."""
-    logger.warning("job=%s shard=%d paused: %s", job_id, shard_index, reason)
-    try:
-        progress.record_pause(ctx.redis, job_id, reason)
-    except redis.RedisError as exc:
-        logger.warning("cannot record the pause of job %s: %s", job_id, exc)
-
-
-def _run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
+    """Run one shard of a job: commit its manifest, or find it committed or cancelled. A full or unreachable store
+    raises StorageUnavailable; the task decides when the shard runs again (services/worker/tasks.py)."""
     started, started_at = time.monotonic(), utc_now()
     storage, client = ctx.storage, ctx.redis
     state = ctx.state(kind)
@@ -169,6 +152,15 @@ def _run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext
     )
     kind.after_commit(ctx, state, job)
     return _outcome(manifest, "committed", seconds)
+
+
+def pause(ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> None:
+    """The shard waits for storage: the job's state is `paused` with this reason until a shard commits again."""
+    logger.warning("job=%s shard=%d paused: %s", job_id, shard_index, reason)
+    try:
+        progress.record_pause(ctx.redis, job_id, reason)
+    except redis.RedisError as exc:
+        logger.warning("cannot record the pause of job %s: %s", job_id, exc)
 
 
 def dead_lettered_samples(kind: "JobKind", storage: Storage, job_id: str) -> list[FailedConversation]:

@@ -4,8 +4,10 @@ the worker's main process while it holds the message, released when the message 
 Everything runs in the main process, which is the one that holds the broker message:
 
 - `LeasedRequest` (the shard tasks' request class) releases the lease when the message is acknowledged or
-  rejected. A pool child killed mid-shard makes Celery return the message to the queue (`task_reject_on_worker_lost`):
-  the lease goes with it, so the reaper does not run the shard a second time; that requeue counts as a re-run.
+  rejected and the shard's fate is settled. A pool child killed mid-shard makes Celery return the message to the
+  queue (`task_reject_on_worker_lost`): the lease goes with it, so the reaper does not run the shard a second time;
+  that requeue counts as a re-run. A run that ended unsettled (it failed, its retry could not be sent to a Redis
+  that is down, its acknowledgement was lost) hands its lease back to the reaper instead, which looks in storage.
 - `on_task_received` takes the lease as soon as the message is reserved, countdown (retry) messages included.
 - `LeaseKeeper`, a consumer bootstep, renews this worker's leases every `shard_lease_s / 4` and reaps expired leases
   every `lease_reaper_interval_s`: the unacknowledged message of a dead worker goes back to the front of the queue
@@ -25,7 +27,9 @@ import socket
 from typing import Any
 
 import redis
+from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps, signals
+from celery.exceptions import Retry
 from celery.worker.request import Request
 
 from shared import leases, recovery
@@ -40,17 +44,33 @@ _keeper: "LeaseKeeper | None" = None
 
 
 class LeasedRequest(Request):
-    """A shard task's request: its lease ends with its message."""
+    """A shard task's request: its lease ends with its message.
+
+    The lease is released when the shard's fate is settled: the run succeeded (committed, or found committed or
+    cancelled), its retry was sent, or its message went back to the queue. Otherwise (the run failed, or its retry
+    could not be sent to a Redis that is down) the lease is handed back: it expires now and the next reaper sends the
+    shard again unless storage holds its manifest or dead letter. A failed shard's dead letter is normally there;
+    when it could not be written, this keeps the shard from vanishing with its acknowledged message. (The lease is
+    ended before Celery's deferred acknowledgement: with Redis down both fail, and the unrenewed lease expires.)"""
+
+    settled = True  # a run that returned has its outcome: committed, found committed, or cancelled
+
+    def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
+        # (Celery's generated request class overrides on_success, not this.) A retry's message carries the shard,
+        # and its delivery takes the lease; any other failure is settled only by what storage holds.
+        exc = exc_info.exception
+        self.settled = isinstance(exc.exc if isinstance(exc, ExceptionWithTraceback) else exc, Retry)
+        super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def acknowledge(self) -> None:
         super().acknowledge()
         if _keeper is not None:
-            _keeper.release(self, requeued=False)
+            _keeper.finish(self, settled=self.settled, requeued=False)
 
     def reject(self, requeue: bool = False) -> None:
         super().reject(requeue=requeue)
         if _keeper is not None:
-            _keeper.release(self, requeued=requeue)
+            _keeper.finish(self, settled=requeue, requeued=requeue)
 
 
 @signals.task_received.connect
@@ -150,11 +170,22 @@ class LeaseKeeper(bootsteps.StartStopStep):
         except redis.RedisError as exc:  # the next renewal will not find it; the broker's timeout still applies
             logger.warning("cannot lease shard %d of job %s: %s", lease.shard_index, lease.job_id, exc)
 
-    def release(self, request: Request, *, requeued: bool) -> None:
+    def finish(self, request: Request, *, settled: bool, requeued: bool) -> None:
+        """The message was acknowledged or rejected: release the lease if the shard's fate is settled, else hand it
+        back to the reaper. Either way this worker stops renewing it, so that with Redis unreachable it expires."""
         lease = self.held.pop(str(request.message.delivery_tag), None)
         if lease is None or self.client is None:
             return
         try:
+            if not settled:
+                leases.hand_back(self.client, lease)
+                logger.warning(
+                    "shard %d of job %s ended without success or retry: the lease reaper sends it again unless "
+                    "storage holds its manifest or dead letter",
+                    lease.shard_index,
+                    lease.job_id,
+                )
+                return
             leases.release(self.client, lease)
             if requeued:
                 leases.count_rerun(self.client, lease.job_id)
@@ -163,8 +194,8 @@ class LeaseKeeper(bootsteps.StartStopStep):
                     lease.shard_index,
                     lease.job_id,
                 )
-        except redis.RedisError as exc:  # an unreleased lease only expires: at worst one harmless re-run
-            logger.warning("cannot release the lease of shard %d of job %s: %s", lease.shard_index, lease.job_id, exc)
+        except redis.RedisError as exc:  # the lease is no longer renewed: it expires, at worst one harmless re-run
+            logger.warning("cannot end the lease of shard %d of job %s: %s", lease.shard_index, lease.job_id, exc)
 
     def renew(self) -> None:
         if self.client is None or not self.held:

@@ -1,27 +1,43 @@
 """Celery tasks: one per job kind, each running the shared shard lifecycle (shared/shards.py) for its kind.
-Retries only the transient errors; a shard that fails for good leaves a dead letter with its reason."""
+Retries only the transient errors; a shard that fails for good leaves a dead letter with its reason.
+
+A shard never ends without an outcome the job can see: committed, dead-lettered, or a message that runs it again
+(a retry, a pause for storage). Where none of these can be recorded (Redis or storage down too), the run ends and
+its lease goes to the reaper (services/worker/leasing.py), which sends the shard again once it can."""
 
 import logging
+import math
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from typing import Any
 
 import redis
 from celery import Task
 from celery.exceptions import Retry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry as RedisRetry
 
 from services.worker.celery_app import app, settings
 from shared import shards
-from shared.errors import StorageFull, StorageUnavailable, TransientError
+from shared.errors import QueueUnavailable, StorageFull, StorageUnavailable, TransientError
 from shared.kinds import KINDS, JobKind
 from shared.storage import open_storage
 
 logger = logging.getLogger(__name__)
 LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends with its message
-FAILURE_RECORD_RETRY_S = 60.0  # a shard whose dead letter could not be written runs again after this
+REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+_REDIS_BACKOFF_CAP_S = 2.0
+
+
+def outage_tolerant_redis(url: str, wait_s: float) -> redis.Redis:
+    """A client whose calls ride out a Redis restart or failover of about `wait_s` (backoff up to 2 s a try): the
+    shard's Redis writes are idempotent (shared/progress.py), so a call retried after a lost reply counts once."""
+    retries = math.ceil(wait_s / _REDIS_BACKOFF_CAP_S) + 4  # the first tries back off less than the cap
+    retry = RedisRetry(ExponentialBackoff(cap=_REDIS_BACKOFF_CAP_S, base=0.1), retries)
+    return redis.Redis.from_url(
+        url, socket_timeout=30, socket_connect_timeout=10, retry=retry, retry_on_error=list(REDIS_OUTAGE_ERRORS)
+    )
 
 
 @cache
@@ -29,27 +45,10 @@ def context() -> shards.ShardContext:
     # Built lazily in each pool process: clients created before the prefork fork must not be shared.
     return shards.ShardContext(
         storage=open_storage(settings.storage_url, settings),
-        redis=redis.Redis.from_url(settings.redis_url, socket_timeout=30, socket_connect_timeout=10),
+        redis=outage_tolerant_redis(settings.redis_url, settings.redis_outage_wait_s),
         settings=settings,
         worker=f"{socket.gethostname()}:{os.getpid()}",
     )
-
-
-@contextmanager
-def failure_kept(task: Task, task_id: str, args: tuple) -> Iterator[None]:
-    """Around recording a shard's failure: if that fails too (storage or Redis down as well), the shard's message is
-    acknowledged all the same, and the shard would vanish, neither committed nor dead-lettered. Send it again."""
-    try:
-        yield
-    except Exception as exc:
-        logger.error(
-            "shard %s failed and its dead letter cannot be written (%s: %s); queued again in %.0fs",
-            task_id,
-            type(exc).__name__,
-            exc,
-            FAILURE_RECORD_RETRY_S,
-        )
-        task.apply_async(args=args, task_id=task_id, countdown=FAILURE_RECORD_RETRY_S)
 
 
 class ShardTask(Task):
@@ -57,16 +56,18 @@ class ShardTask(Task):
     Request = LEASED_REQUEST
 
     def on_failure(self, exc: BaseException, task_id: str, args: tuple, kwargs: dict, einfo: Any) -> None:
-        # Called once retries are exhausted or the error is not transient: record why, never drop silently.
+        # Called once retries are exhausted or the error is not transient: record why, never drop silently. If the
+        # dead letter cannot be written either, the lease reaper sends the shard again (leasing.LeasedRequest).
         job_id, shard_index = args
-        if isinstance(exc, StorageUnavailable):
-            # Still unreachable after the retries: a dead letter would have to go to that same storage, and the
-            # shard is not at fault. It waits, the job paused with the reason, and runs with fresh attempts later.
-            shards.pause(context(), job_id, shard_index, f"storage unavailable: {exc}")
-            self.apply_async(args=args, task_id=task_id, countdown=settings.storage_wait_s)
-            return
-        with failure_kept(self, task_id, args):
+        try:
             shards.dead_letter(self.kind, job_id, shard_index, exc, retries=self.request.retries, ctx=context())
+        except Exception as record_error:
+            logger.error(
+                "shard %s failed and its dead letter cannot be written (%s: %s); the lease reaper sends it again",
+                task_id,
+                type(record_error).__name__,
+                record_error,
+            )
 
 
 def register(kind: JobKind) -> Task:
@@ -84,13 +85,21 @@ def register(kind: JobKind) -> Task:
     def run_shard(self: ShardTask, job_id: str, shard_index: int) -> dict:
         try:
             return shards.run_shard(self.kind, job_id, shard_index, context()).model_dump()
-        except StorageFull as exc:
-            # A full store is no fault of the shard's: it waits for room however long that takes, spending no attempt
-            # (the same retry count goes with it), so the job goes on by itself once there is room.
+        except REDIS_OUTAGE_ERRORS as exc:
+            # Still down after the client's own retries. If the broker (the same Redis) cannot take the retry either,
+            # Celery rejects the message and the lease reaper sends the shard again once Redis is back.
+            raise QueueUnavailable(f"Redis unreachable for over {settings.redis_outage_wait_s:.0f}s: {exc}") from exc
+        except StorageUnavailable as exc:
+            if not isinstance(exc, StorageFull) and self.request.retries < self.max_retries:
+                raise  # a retry with backoff (autoretry_for)
+            # Storage full, or still unreachable after the retries: no fault of the shard's. It waits, the job paused
+            # with the reason, and runs again after `storage_wait_s` however long that takes: a full store keeps its
+            # retry count (it spends no attempt), an unreachable one starts afresh.
+            reason = "storage full" if isinstance(exc, StorageFull) else "storage unavailable"
+            shards.pause(context(), job_id, shard_index, f"{reason}: {exc}")
+            retries = self.request.retries if isinstance(exc, StorageFull) else 0
             countdown = settings.storage_wait_s
-            self.apply_async(
-                args=[job_id, shard_index], task_id=self.request.id, countdown=countdown, retries=self.request.retries
-            )
+            self.apply_async(args=[job_id, shard_index], task_id=self.request.id, countdown=countdown, retries=retries)
             raise Retry(exc=exc, when=countdown) from exc
 
     return run_shard

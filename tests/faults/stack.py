@@ -95,6 +95,14 @@ class FaultStack:
         process.wait()
         return killed_at
 
+    def stop(self, name: str, sig: signal.Signals) -> float:
+        """Send `sig` to a process alone and wait for it to exit; returns when the signal was sent."""
+        process = self.process(name)
+        process.send_signal(sig)
+        sent_at = time.monotonic()
+        process.wait()
+        return sent_at
+
     def kill_pool_child(self, name: str) -> float:
         children = psutil.Process(self.process(name).pid).children()
         assert children, f"{name} has no pool process"

@@ -52,6 +52,26 @@ def test_redis_killed_and_restarted_with_append_only_file(make_stack: MakeStack,
     assert (p.state, p.samples_done) == ("completed", p.samples_total), p
 
 
+def test_redis_restarted_gracefully_three_times_mid_job(make_stack: MakeStack, tmp_path: Path, fault_table) -> None:
+    """SIGTERM, as `docker compose restart redis` does: Redis saves and closes every connection, and is back in a
+    second, while shards are mid-commit. Small shards (as the compose test's) so that several are in flight."""
+    row = fault_table("Redis SIGTERM + restart x3 (compose restart), AOF on")
+    dataset = write_demo_dataset(tmp_path / "small.jsonl", num_conversations=48, seed=3)
+    with make_stack(workers=2) as stack:
+        job_id = stack.submit(dataset, shard_token_budget=256)["job_id"]
+        recover_s = []
+        for _ in range(3):
+            stack.lease_mid_shard(job_id)
+            stopped_at = stack.stop("redis", signal.SIGTERM)
+            wait_for(lambda: stack.stack.supervise() is not None and stack.redis.ping(), 60, "Redis restarted")
+            recover_s.append(wait_next_commit(stack, job_id) - stopped_at)
+        row.recover_s = max(recover_s)
+        p = stack.wait(job_id)
+        row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
+    assert row.audit.clean, row.audit.explain()
+    assert (p.state, p.samples_done) == ("completed", p.samples_total), p
+
+
 @pytest.fixture
 def volatile_redis(tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """A redis-server without any persistence; the list holds the running process (the test restarts it)."""

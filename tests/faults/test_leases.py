@@ -64,6 +64,15 @@ def test_a_newer_delivery_owns_the_lease(client: redis.Redis) -> None:
     assert [h.holder for h in leases.held(client)] == ["new:2:bb"]
 
 
+def test_a_handed_back_lease_expires_now_unless_a_newer_delivery_owns_it(client: redis.Redis) -> None:
+    leases.acquire(client, lease(holder="old:1:aa", tag="t1"), lease_s=60)
+    leases.acquire(client, lease(holder="new:2:bb", tag="t2"), lease_s=60)
+    assert not leases.hand_back(client, lease(holder="old:1:aa", tag="t1"))  # a stale run cannot expire it
+    assert leases.claim_expired(client) == []
+    assert leases.hand_back(client, lease(holder="new:2:bb", tag="t2"))
+    assert [c.lease.holder for c in leases.claim_expired(client)] == ["new:2:bb"]  # at once, not in 60 s
+
+
 def test_reap_requeues_only_unfinished_shards_and_counts_reruns(client: redis.Redis, tmp_path: Path) -> None:
     storage = open_storage(tmp_path.as_uri())
     client.hset(progress.job_key("job-a"), mapping={"shards_total": 3})
