@@ -7,11 +7,14 @@ can recompute from storage at any time.
 
 import json
 import logging
+import math
 import time
 from typing import TypeVar
 
 import redis
 from pydantic import BaseModel
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from shared import layout
 from shared.errors import JobNotFound
@@ -49,6 +52,24 @@ _TEXT_FIELDS = (
     "finalize_error",
     "paused_reason",
 )
+
+
+REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+_OUTAGE_BACKOFF_CAP_S = 2.0
+
+
+def connect(url: str, *, outage_wait_s: float) -> redis.Redis:
+    """A client for the workers and the trainer whose calls ride out a Redis restart or failover of about
+    `outage_wait_s` (backoff up to 2 s a try). The writes here are idempotent (a shard counts once), so a call
+    retried after a lost reply does no harm."""
+    retries = math.ceil(outage_wait_s / _OUTAGE_BACKOFF_CAP_S) + 4  # the first tries back off less than the cap
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=30,
+        socket_connect_timeout=10,
+        retry=Retry(ExponentialBackoff(cap=_OUTAGE_BACKOFF_CAP_S, base=0.1), retries),
+        retry_on_error=list(REDIS_OUTAGE_ERRORS),
+    )
 
 
 def job_key(job_id: str) -> str:

@@ -17,7 +17,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import redis
 import torch
 from prometheus_client import start_http_server
 from torch import nn
@@ -63,7 +62,7 @@ from services.trainer.step import (
     place_models,
     train_step,
 )
-from shared import layout
+from shared import layout, progress
 from shared.jobs import load_job
 from shared.provenance import check_same, sha256_bytes, target_identity
 from shared.schemas import JobRecord, utc_now
@@ -135,7 +134,9 @@ def build_trainer(
             job,
             storage=storage,
             expected=expected,
-            redis_client=redis.Redis.from_url(settings.redis_url, socket_timeout=30) if config.follow else None,
+            redis_client=progress.connect(settings.redis_url, outage_wait_s=settings.redis_outage_wait_s)
+            if config.follow
+            else None,
             follow=config.follow,
             heldout_fraction=config.heldout_fraction,
             block_s=config.follow_block_s,

@@ -6,38 +6,22 @@ A shard never ends without an outcome the job can see: committed, dead-lettered,
 its lease goes to the reaper (services/worker/leasing.py), which sends the shard again once it can."""
 
 import logging
-import math
 import os
 import socket
 from functools import cache
 from typing import Any
 
-import redis
 from celery import Task
 from celery.exceptions import Retry
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry as RedisRetry
 
 from services.worker.celery_app import app, settings
-from shared import shards
+from shared import progress, shards
 from shared.errors import QueueUnavailable, StorageFull, StorageUnavailable, TransientError
 from shared.kinds import KINDS, JobKind
 from shared.storage import open_storage
 
 logger = logging.getLogger(__name__)
 LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends with its message
-REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
-_REDIS_BACKOFF_CAP_S = 2.0
-
-
-def outage_tolerant_redis(url: str, wait_s: float) -> redis.Redis:
-    """A client whose calls ride out a Redis restart or failover of about `wait_s` (backoff up to 2 s a try): the
-    shard's Redis writes are idempotent (shared/progress.py), so a call retried after a lost reply counts once."""
-    retries = math.ceil(wait_s / _REDIS_BACKOFF_CAP_S) + 4  # the first tries back off less than the cap
-    retry = RedisRetry(ExponentialBackoff(cap=_REDIS_BACKOFF_CAP_S, base=0.1), retries)
-    return redis.Redis.from_url(
-        url, socket_timeout=30, socket_connect_timeout=10, retry=retry, retry_on_error=list(REDIS_OUTAGE_ERRORS)
-    )
 
 
 @cache
@@ -45,7 +29,7 @@ def context() -> shards.ShardContext:
     # Built lazily in each pool process: clients created before the prefork fork must not be shared.
     return shards.ShardContext(
         storage=open_storage(settings.storage_url, settings),
-        redis=outage_tolerant_redis(settings.redis_url, settings.redis_outage_wait_s),
+        redis=progress.connect(settings.redis_url, outage_wait_s=settings.redis_outage_wait_s),
         settings=settings,
         worker=f"{socket.gethostname()}:{os.getpid()}",
     )
@@ -85,7 +69,7 @@ def register(kind: JobKind) -> Task:
     def run_shard(self: ShardTask, job_id: str, shard_index: int) -> dict:
         try:
             return shards.run_shard(self.kind, job_id, shard_index, context()).model_dump()
-        except REDIS_OUTAGE_ERRORS as exc:
+        except progress.REDIS_OUTAGE_ERRORS as exc:
             # Still down after the client's own retries. If the broker (the same Redis) cannot take the retry either,
             # Celery rejects the message and the lease reaper sends the shard again once Redis is back.
             raise QueueUnavailable(f"Redis unreachable for over {settings.redis_outage_wait_s:.0f}s: {exc}") from exc

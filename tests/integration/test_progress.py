@@ -1,5 +1,9 @@
 """Progress accounting against a real Redis: exactly-once counts, rate, ETA, states, rebuild from storage."""
 
+import subprocess
+import threading
+from pathlib import Path
+
 import redis
 
 from shared import layout, progress
@@ -13,7 +17,9 @@ from shared.schemas import (
     SampleInput,
     ShardInput,
 )
+from shared.settings import Settings
 from shared.storage import open_storage
+from tests.fixtures.processes import free_port, wait_until
 
 
 def make_job(shards: int = 3, tokens_per_shard: int = 100) -> JobRecord:
@@ -145,3 +151,36 @@ def test_a_paused_job_says_why_until_a_shard_commits(redis_url: str) -> None:
     assert (p.state, p.paused_reason) == ("running", None)
     progress.record_pause(client, "job-gone", "storage full")  # a job Redis does not know is not half-created
     assert not client.exists(progress.job_key("job-gone"))
+
+
+def test_a_progress_client_rides_out_a_redis_restart(tmp_path: Path) -> None:
+    """The workers' and trainer's client (progress.connect): a count made while Redis restarts waits for it and
+    lands once, at the production default wait."""
+    port = free_port()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--dir", str(tmp_path)]
+
+    def start() -> subprocess.Popen:
+        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        wait_until(lambda: redis.Redis(port=port).ping(), timeout_s=10)
+        return server
+
+    server = start()
+    try:
+        client = progress.connect(
+            f"redis://127.0.0.1:{port}/0", outage_wait_s=Settings(_env_file=None).redis_outage_wait_s
+        )
+        job = make_job()
+        progress.register_job(client, job, "file:///s")
+        server.terminate()  # SIGTERM, as a container restart: Redis saves its append-only file and exits
+        server.wait(timeout=10)
+        restarted: list[subprocess.Popen] = []
+        later = threading.Timer(3.0, lambda: restarted.append(start()))
+        later.start()
+        assert progress.record_commit(client, make_manifest(0))  # waits for the restarted Redis
+        later.join()
+        server = restarted[0]
+        assert not progress.record_commit(client, make_manifest(0))  # counted once
+        assert progress.job_progress(client, "job-a").shards_committed == 1
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
