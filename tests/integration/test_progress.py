@@ -159,28 +159,29 @@ def test_a_progress_client_rides_out_a_redis_restart(tmp_path: Path) -> None:
     port = free_port()
     argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--dir", str(tmp_path)]
 
-    def start() -> subprocess.Popen:
-        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-        wait_until(lambda: redis.Redis(port=port).ping(), timeout_s=10)
-        return server
+    servers: list[subprocess.Popen] = []  # every redis-server started here, stopped at the end whatever happens
 
-    server = start()
+    def start() -> None:
+        servers.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+        wait_until(lambda: redis.Redis(port=port).ping(), timeout_s=10)
+
+    start()
     try:
         client = progress.connect(
             f"redis://127.0.0.1:{port}/0", outage_wait_s=Settings(_env_file=None).redis_outage_wait_s
         )
         job = make_job()
         progress.register_job(client, job, "file:///s")
-        server.terminate()  # SIGTERM, as a container restart: Redis saves its append-only file and exits
-        server.wait(timeout=10)
-        restarted: list[subprocess.Popen] = []
-        later = threading.Timer(3.0, lambda: restarted.append(start()))
+        servers[0].terminate()  # SIGTERM, as a container restart: Redis saves its append-only file and exits
+        servers[0].wait(timeout=10)
+        later = threading.Timer(3.0, start)
         later.start()
         assert progress.record_commit(client, make_manifest(0))  # waits for the restarted Redis
         later.join()
-        server = restarted[0]
+        assert len(servers) == 2
         assert not progress.record_commit(client, make_manifest(0))  # counted once
         assert progress.job_progress(client, "job-a").shards_committed == 1
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        for server in servers:
+            server.terminate()
+            server.wait(timeout=10)
