@@ -77,6 +77,10 @@ class Workload:
     def aux_layer_ids(self) -> list[int]:
         return self.job.aux_layer_ids
 
+    def head(self, count: int) -> "Workload":
+        """The first `count` prompts, same job."""
+        return Workload(self.prompts[:count], self.samples[:count], self.job)
+
 
 def workload(config: dict[str, Any], prompts: int, prompt_tokens: int) -> Workload:
     layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]

@@ -135,7 +135,7 @@ def plain_prefill_seconds(url: str, work: Workload, concurrency: int) -> float:
         return time.perf_counter() - started
 
 
-Measure = tuple[str, Callable[[int], float]]  # (row label, seconds of run r)
+Measure = tuple[str, Callable[[Workload, int], float]]  # (row label, seconds of run r over a workload)
 
 
 def cpu_jiffies() -> tuple[int, int] | None:
@@ -149,78 +149,109 @@ def cpu_jiffies() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def medians(measures: list[Measure], repeats: int, tokens: int, console: Console) -> dict[str, dict[str, Any]]:
-    """Alternating runs of every measure; tokens/s of the median run, the runs' seconds, and how busy the
-    machine's CPUs were during each run (SGLang, client and worker processes together)."""
-    seconds: dict[str, list[float]] = {label: [] for label, _ in measures}
-    cpu_busy: dict[str, list[float]] = {label: [] for label, _ in measures}
+def medians(
+    measures: list[Measure], repeats: int, works: list[Workload], console: Console
+) -> dict[str, dict[str, Any]]:
+    """Alternating runs of every measure over every workload; tokens/s of the median run, the runs' seconds, and
+    how busy the machine's CPUs were during each run (SGLang, client and worker processes together). A label is
+    the measure's, then ", N prompts"."""
+    seconds: dict[str, list[float]] = {}
+    cpu_busy: dict[str, list[float]] = {}
+    tokens: dict[str, int] = {}
     for r in range(repeats):
-        for label, run in measures:
-            before = cpu_jiffies()
-            seconds[label].append(run(r))
-            after = cpu_jiffies()
-            if before and after and after[1] > before[1]:
-                cpu_busy[label].append((after[0] - before[0]) / (after[1] - before[1]))
-            console.log(f"run {r + 1}/{repeats} {label}: {tokens / seconds[label][-1]:.0f} tokens/s")
+        for work in works:
+            for measure, run in measures:
+                label = f"{measure}, {len(work.prompts)} prompts"
+                before = cpu_jiffies()
+                seconds.setdefault(label, []).append(run(work, r))
+                after = cpu_jiffies()
+                if before and after and after[1] > before[1]:
+                    cpu_busy.setdefault(label, []).append((after[0] - before[0]) / (after[1] - before[1]))
+                tokens[label] = work.tokens
+                console.log(f"run {r + 1}/{repeats} {label}: {work.tokens / seconds[label][-1]:.0f} tokens/s")
     return {
         label: {
-            "tokens_s": tokens / statistics.median(runs),
+            "tokens": tokens[label],
+            "tokens_s": tokens[label] / statistics.median(runs),
             "seconds": [round(s, 3) for s in runs],
-            "cpu_busy": round(statistics.median(cpu_busy[label]), 3) if cpu_busy[label] else None,
+            "cpu_busy": round(statistics.median(cpu_busy[label]), 3) if label in cpu_busy else None,
         }
         for label, runs in seconds.items()
     }
 
 
-def stock_measures(url: str, work: Workload, concurrencies: list[int]) -> list[Measure]:
-    return [(f"SGLang prefill, capture off (stock server) @{c}", _plain(url, work, c)) for c in concurrencies]
+def steady_rates(results: dict[str, dict[str, Any]], counts: list[int]) -> dict[str, dict[str, Any]]:
+    """Per measure, the rate between its shortest and longest workload: the extra tokens over the extra median
+    seconds. What a run pays once (the first batch filling the GPU, the last batch's files written, read and
+    committed after the GPU's last forward) cancels out; what is left is the rate a long shard runs at."""
+    short, long = min(counts), max(counts)
+    steady: dict[str, dict[str, Any]] = {}
+    for label, result in results.items():
+        measure, _, count = label.rpartition(", ")
+        if count != f"{long} prompts" or f"{measure}, {short} prompts" not in results:
+            continue
+        first = results[f"{measure}, {short} prompts"]
+        extra_seconds = statistics.median(result["seconds"]) - statistics.median(first["seconds"])
+        rate = (result["tokens"] - first["tokens"]) / extra_seconds
+        # seconds(run) = once + tokens / rate, so what the short run paid once:
+        once = statistics.median(first["seconds"]) - first["tokens"] / rate
+        steady[f"{measure}, steady ({long} - {short} prompts)"] = {"tokens_s": rate, "fixed_s": round(once, 3)}
+    return steady
 
 
-def capture_measures(
-    url: str, work: Workload, args: argparse.Namespace, shm_dir: Path | None, scratch: Path
-) -> list[Measure]:
+def stock_measures(url: str, concurrencies: list[int]) -> list[Measure]:
+    return [(f"SGLang prefill, capture off (stock server) @{c}", _plain(url, c)) for c in concurrencies]
+
+
+def capture_measures(url: str, args: argparse.Namespace, shm_dir: Path | None, scratch: Path) -> list[Measure]:
     transports = [t for t in args.transports if t == "body" or shm_dir is not None]
     measures: list[Measure] = []
     for c in args.concurrency:
-        measures.append((f"plain requests on the capture server @{c}", _plain(url, work, c)))
+        measures.append((f"plain requests on the capture server @{c}", _plain(url, c)))
         for transport in transports:
             run = CaptureRun(c, transport, shm_dir, 1, args.write_concurrency)
-            measures.append((f"capture driven directly, {transport} @{c}", _direct(url, work, run)))
+            measures.append((f"capture driven directly, {transport} @{c}", _direct(url, run)))
             for processes in args.worker_processes:
                 run = replace(run, worker_processes=processes)
                 label = f"end to end, {transport}, {processes} worker processes @{c}"
-                measures.append((label, _end_to_end(url, work, run, scratch)))
+                measures.append((label, _end_to_end(url, run, scratch)))
             if args.single_thread_workers:
                 # The most processes once more, each with one torch thread: many writer threads' intra-op thread
                 # pools compete for the cores that SGLang's scheduler also needs.
                 run = replace(run, worker_processes=max(args.worker_processes), torch_threads=1)
                 label = f"end to end, {transport}, {run.worker_processes} worker processes, 1 torch thread each @{c}"
-                measures.append((label, _end_to_end(url, work, run, scratch)))
+                measures.append((label, _end_to_end(url, run, scratch)))
     return measures
 
 
-def _plain(url: str, work: Workload, concurrency: int) -> Callable[[int], float]:
-    return lambda r: plain_prefill_seconds(url, work, concurrency)
+def _plain(url: str, concurrency: int) -> Callable[[Workload, int], float]:
+    return lambda work, r: plain_prefill_seconds(url, work, concurrency)
 
 
-def _direct(url: str, work: Workload, run: CaptureRun) -> Callable[[int], float]:
-    return lambda r: capture_direct_seconds(url, work, run, f"direct-{run.transport}-{run.concurrency}/{r}")
+def _direct(url: str, run: CaptureRun) -> Callable[[Workload, int], float]:
+    return lambda work, r: capture_direct_seconds(
+        url, work, run, f"direct-{run.transport}-{run.concurrency}-{len(work.prompts)}/{r}"
+    )
 
 
-def _end_to_end(url: str, work: Workload, run: CaptureRun, scratch: Path) -> Callable[[int], float]:
-    return lambda r: end_to_end_seconds(url, work, run, scratch / "out" / f"{run.transport}-{run.concurrency}-{r}")
+def _end_to_end(url: str, run: CaptureRun, scratch: Path) -> Callable[[Workload, int], float]:
+    return lambda work, r: end_to_end_seconds(
+        url, work, run, scratch / "out" / f"{run.transport}-{run.concurrency}-{len(work.prompts)}-{r}"
+    )
 
 
-def warm_up(measures: list[Measure]) -> None:
-    """One unmeasured run of each measure: kernels compiled, pinned and shared memory allocated."""
+def warm_up(measures: list[Measure], work: Workload) -> None:
+    """One unmeasured run of each measure on a few prompts: kernels compiled, pinned and shared memory allocated."""
     for _, run in measures:
-        run(-1)
+        run(work, -1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-3.1-8b-random", help="llama-3.1-8b-random, smollm2 or a folder")
-    parser.add_argument("--prompts", type=int, default=48)
+    parser.add_argument("--prompts", type=lambda s: [int(n) for n in s.split(",")], default=[48],
+                        help="prompts per run, e.g. 48 or 48,192: with two or more counts the table adds each "
+                        "measure's steady rate between the shortest and the longest run")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[8],
                         help="requests in flight, e.g. 8 or 8,16; the first is the headline")  # fmt: skip
@@ -256,7 +287,9 @@ def main() -> None:
     console = Console()
 
     model_dir, config = capture_model(args.model, args.work)
-    work = workload(config, args.prompts, args.prompt_tokens)
+    longest = workload(config, max(args.prompts), args.prompt_tokens)
+    works = [longest.head(n) for n in sorted(set(args.prompts))]
+    warm = longest.head(2 * max(args.concurrency))
     extra = shlex.split(args.sglang_args)
     results: dict[str, dict[str, Any]] = {}
     info: dict[str, Any] = {}
@@ -270,43 +303,45 @@ def main() -> None:
         shm_dir = args.work / "shm"
         log = args.work / "sglang-stock.log"
         with sglang_server("stock", model_dir, shm_dir=shm_dir, extra_args=extra, log=log) as url:
-            measures = stock_measures(url, work, args.concurrency)
-            warm_up(measures)
-            results |= medians(measures, args.repeats, work.tokens, console)
+            measures = stock_measures(url, args.concurrency)
+            warm_up(measures, warm)
+            results |= medians(measures, args.repeats, works, console)
         save()
         log = args.work / "sglang-capture.log"
         with sglang_server("capture", model_dir, shm_dir=shm_dir, extra_args=extra, log=log) as url:
             info = httpx.get(f"{url}/get_model_info", timeout=30).json()
-            measures = capture_measures(url, work, args, shm_dir, args.work)
-            warm_up(measures)
-            results |= medians(measures, args.repeats, work.tokens, console)
+            measures = capture_measures(url, args, shm_dir, args.work)
+            warm_up(measures, warm)
+            results |= medians(measures, args.repeats, works, console)
         save()
     else:
         if args.baseline_url:
-            measures = stock_measures(args.baseline_url, work, args.concurrency)
-            warm_up(measures)
-            results |= medians(measures, args.repeats, work.tokens, console)
+            measures = stock_measures(args.baseline_url, args.concurrency)
+            warm_up(measures, warm)
+            results |= medians(measures, args.repeats, works, console)
         info = httpx.get(f"{args.url}/get_model_info", timeout=30).json()
-        measures = capture_measures(args.url, work, args, args.shm_dir, args.work)
-        warm_up(measures)
-        results |= medians(measures, args.repeats, work.tokens, console)
+        measures = capture_measures(args.url, args, args.shm_dir, args.work)
+        warm_up(measures, warm)
+        results |= medians(measures, args.repeats, works, console)
         save()
 
-    if args.reference:
-        c = args.concurrency[0]
+    if args.reference:  # the longest workload only: the reference backend's numbers are for comparison
+        c, n = args.concurrency[0], len(longest.prompts)
         run = CaptureRun(c, "shm", None, max(args.worker_processes), args.write_concurrency)
         scratch = args.work / "reference"
         scratch.mkdir(exist_ok=True)
         rates = reference_rates(
-            model_dir, work, run, batch_tokens=args.reference_batch_tokens, repeats=args.repeats, scratch=scratch
+            model_dir, longest, run, batch_tokens=args.reference_batch_tokens, repeats=args.repeats, scratch=scratch
         )
-        results[f"reference: bare prefill (model forward, in process) @{c}"] = {
-            "tokens_s": rates["bare_prefill_tokens_s"]
-        }
-        results[f"reference: server driven directly, shm @{c}"] = {"tokens_s": rates["server_direct_tokens_s"]}
-        label = f"reference: end to end, shm, {run.worker_processes} worker processes @{c}"
-        results[label] = {"tokens_s": rates["end_to_end_tokens_s"]}
+        for label, key in (
+            ("reference: bare prefill (model forward, in process)", "bare_prefill_tokens_s"),
+            ("reference: server driven directly, shm", "server_direct_tokens_s"),
+            (f"reference: end to end, shm, {run.worker_processes} worker processes", "end_to_end_tokens_s"),
+        ):
+            results[f"{label} @{c}, {n} prompts"] = {"tokens_s": rates[key]}
 
+    if len(works) > 1:
+        results |= steady_rates(results, args.prompts)
     save()
     print_table(args, config, info, results, console)
 
@@ -340,10 +375,11 @@ def print_table(
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     table = Table(
         title=f"{args.model} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}) on {device}, "
-        f"SGLang {info.get('sglang_version', '?')}: {args.prompts} prompts x {args.prompt_tokens} tokens, "
+        f"SGLang {info.get('sglang_version', '?')}: {','.join(map(str, args.prompts))} prompts x "
+        f"{args.prompt_tokens} tokens, "
         f"{args.write_concurrency} writer threads per worker process, median of {args.repeats}"
     )
-    for column in ("measure", "tokens/s", "ratio to SGLang prefill, capture off", "CPUs busy"):
+    for column in ("measure", "tokens/s", "ratio to SGLang prefill, capture off", "CPUs busy", "once per run, s"):
         table.add_column(column)
     for label, result in results.items():
         concurrency = label.rsplit("@", 1)[1]
@@ -352,7 +388,8 @@ def print_table(
         )
         ratio = f"{result['tokens_s'] / baseline['tokens_s']:.2f}" if baseline else "-"
         busy = f"{result['cpu_busy']:.0%}" if result.get("cpu_busy") is not None else "-"
-        table.add_row(label, f"{result['tokens_s']:.0f}", ratio, busy)
+        fixed = f"{result['fixed_s']:.2f}" if "fixed_s" in result else "-"
+        table.add_row(label, f"{result['tokens_s']:.0f}", ratio, busy, fixed)
     console.print(table)
 
 
