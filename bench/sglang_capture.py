@@ -9,13 +9,15 @@ Same prompts, same requests in flight, medians of alternating runs:
   `--worker-processes` processes sharing the requests in flight, per transport (a list: one row per count; each
   process keeps concurrency // count requests in flight, so counts that divide `--concurrency` keep its total);
 - with `--reference`: the reference backend on the same model and GPU (bench/capture.py), after SGLang stopped.
+With two or more prompt counts (`--prompts 48,192`) every measure runs at each, and the table adds its steady rate
+between the shortest and the longest run and what a run pays once (the pipeline filling and draining).
 
 Either the servers run already (`--url` is the capture server, `--baseline-url` a stock one, `--shm-dir` the
 capture server's shared directory as mounted here), or `--launch` starts each in turn from this Python, which must
 have SGLang and the plugin installed (`--sglang-args` go to both launches, e.g. `--mem-fraction-static 0.8`):
 
-    python -m bench.sglang_capture --launch --model llama-3.1-8b-random --prompts 48 --prompt-tokens 2048 \\
-        --concurrency 8 --worker-processes 2,4,8 --reference --json capture.json
+    python -m bench.sglang_capture --launch --model llama-3.1-8b-random --prompts 48,192 --prompt-tokens 2048 \\
+        --concurrency 8 --worker-processes 2 --reference --json capture.json
     python -m bench.sglang_capture --url http://gpu:30000 --baseline-url http://gpu:30001 \\
         --shm-dir /dev/shm/eagle3 --model /models/target
 """
