@@ -33,7 +33,11 @@ class Runtime:
         return self.world_size > 1
 
     def close(self) -> None:
+        """Leave the process group after a run that ended on every rank. The ranks meet first and tear down
+        together: a rank destroying its group while a peer still finishes can hang at exit (pytorch/pytorch#75097).
+        Not after a failure: a peer may be mid-collective, and torchrun stops the others when this rank exits."""
         if self.owns_process_group:
+            dist.barrier(group=self.control_group)
             dist.destroy_process_group()
 
     def agree(self, flag: bool) -> bool:

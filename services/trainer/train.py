@@ -83,17 +83,16 @@ def train(
     """Train a drafter on a job's committed shards; returns a summary (on every rank; rank 0's has the held-out
     metrics). Under torchrun, joins the process group itself."""
     runtime = init_runtime(config.device)
-    try:
-        storage = open_storage(settings.storage_url, settings)
-        checkpoint = find_resume_checkpoint(storage, config, resume=resume, resume_from=resume_from)
-        if checkpoint is not None:
-            config = resumed_config(checkpoint.train_config, config)
-        trainer = build_trainer(config, settings=settings, runtime=runtime, storage=storage, resuming=checkpoint)
-        if checkpoint is not None:
-            trainer.restore(checkpoint)
-        return trainer.run_training()
-    finally:
-        runtime.close()
+    storage = open_storage(settings.storage_url, settings)
+    checkpoint = find_resume_checkpoint(storage, config, resume=resume, resume_from=resume_from)
+    if checkpoint is not None:
+        config = resumed_config(checkpoint.train_config, config)
+    trainer = build_trainer(config, settings=settings, runtime=runtime, storage=storage, resuming=checkpoint)
+    if checkpoint is not None:
+        trainer.restore(checkpoint)
+    summary = trainer.run_training()
+    runtime.close()  # only after a run that ended on every rank (Runtime.close says why)
+    return summary
 
 
 def estimate_schedule_steps(job: JobRecord, config: TrainConfig, world_size: int) -> int:
