@@ -193,10 +193,10 @@ def steady_rates(results: dict[str, dict[str, Any]], counts: list[int]) -> dict[
         if count != f"{long} prompts" or f"{measure}, {short} prompts" not in results:
             continue
         first = results[f"{measure}, {short} prompts"]
-        extra_seconds = statistics.median(result["seconds"]) - statistics.median(first["seconds"])
-        rate = (result["tokens"] - first["tokens"]) / extra_seconds
+        short_s, long_s = statistics.median(first["seconds"]), statistics.median(result["seconds"])
+        rate = (result["tokens"] - first["tokens"]) / (long_s - short_s)
         # seconds(run) = once + tokens / rate, so what the short run paid once:
-        once = statistics.median(first["seconds"]) - first["tokens"] / rate
+        once = short_s - first["tokens"] / rate
         steady[f"{measure}, steady ({long} - {short} prompts)"] = {"tokens_s": rate, "fixed_s": round(once, 3)}
     return steady
 
@@ -248,19 +248,24 @@ def warm_up(measures: list[Measure], work: Workload) -> None:
         run(work, -1)
 
 
+def int_list(text: str) -> list[int]:
+    """A command-line list of counts, e.g. "48,192"."""
+    return [int(n) for n in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-3.1-8b-random", help="llama-3.1-8b-random, smollm2 or a folder")
-    parser.add_argument("--prompts", type=lambda s: [int(n) for n in s.split(",")], default=[48],
+    parser.add_argument("--prompts", type=int_list, default=[48],
                         help="prompts per run, e.g. 48 or 48,192: with two or more counts the table adds each "
                         "measure's steady rate between the shortest and the longest run")  # fmt: skip
     parser.add_argument("--prompt-tokens", type=int, default=2048)
-    parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[8],
+    parser.add_argument("--concurrency", type=int_list, default=[8],
                         help="requests in flight, e.g. 8 or 8,16; the first is the headline")  # fmt: skip
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["shm", "body"])
     parser.add_argument(
         "--worker-processes",
-        type=lambda s: [int(p) for p in s.split(",")],
+        type=int_list,
         default=[2],
         help="worker processes sharing the in-flight requests (Celery concurrency), e.g. 2 or 2,4,8",
     )
