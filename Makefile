@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml
 	# The serving engines' draft-model classes, for the export tests. Without their pins (torch 2.11, transformers
 	# <= 5.19, sglang): the model classes import with ours, and their import-time needs are in the test extras.
 	$(PIP) --no-deps specforge==0.2.0 speculators==0.9.0
+	# SGLang's own argument parser, for the tests of the launch arguments we give it (tests/fixtures/sglang_parse.py),
+	# in a folder of its own: the package and the few modules its parser imports, not its GPU dependencies.
+	$(PIP) --no-deps --upgrade --target $(VENV)/sglang-cpu sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 \
+		pyzmq==27.3.0 pillow==13.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,13 +28,12 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,12 +53,12 @@ from bench.capture import (
 )
 from bench.capture_model import capture_model
 from eagle3.local_stack import free_port
+from eagle3.sglang_server import sglang_process, stock_argv
 from shared.inference_client import InferenceClient
 
 # What the plugin's launcher also passes (eagle3_sglang_plugin.launch), so that the stock server runs the same
 # prefills: token ids in and out, whole prompts in one forward, no prefix cache.
 STOCK_FLAGS = ["--skip-tokenizer-init", "--chunked-prefill-size", "-1", "--disable-radix-cache"]
-START_TIMEOUT_S = 900.0
 
 
 @contextmanager
@@ -69,11 +68,10 @@ def sglang_server(
     """A SGLang server of this Python as its own process group: "stock" (plugin off, no aux capture) or "capture"
     (the plugin's launcher). Yields its URL once `/health` answers 200; stops every process of it afterwards."""
     port = free_port()
-    environ = {**os.environ, **(env or {})}
+    environ = dict(env or {})
     if kind == "stock":
         environ["SGLANG_PLUGINS"] = "none"
-        argv = ["-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1"]
-        argv += ["--port", str(port), *STOCK_FLAGS, *extra_args]
+        argv = stock_argv(model_dir, port=port, extra_args=[*STOCK_FLAGS, *extra_args])
     else:
         environ.update(
             EAGLE3_MODEL_PATH=str(model_dir),
@@ -82,43 +80,8 @@ def sglang_server(
             EAGLE3_SHM_DIR=str(shm_dir),
         )
         argv = ["-m", "eagle3_sglang_plugin.launch", *extra_args]
-    with log.open("ab") as out:
-        server = subprocess.Popen(
-            [sys.executable, *argv], env=environ, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server, log)
+    with sglang_process(argv, url=f"http://127.0.0.1:{port}", log=log, env=environ) as url:
         yield url
-    finally:
-        stop_process_group(server)
-
-
-def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"SGLang exited with {server.returncode} before it was healthy; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"SGLang not healthy after {START_TIMEOUT_S:.0f} s; see {log}")
-        time.sleep(2)
-
-
-def stop_process_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (SGLang's scheduler and detokenizer are its children), then SIGKILL
-    to whatever of the group is left (the group id stays the leader's pid)."""
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=60)
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
 
 
 def plain_prefill_seconds(url: str, work: Workload, concurrency: int) -> float:

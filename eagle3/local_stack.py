@@ -1,5 +1,6 @@
-"""The whole stack as local processes: Redis (reused if reachable), the reference inference server,
-N Celery workers and the producer API. Stops everything it started, in reverse order, on exit.
+"""The whole stack as local processes: Redis (reused if reachable), the inference server (the reference one, or
+SGLang with the capture plugin for the GPU demo), N Celery workers and the producer API. Stops everything it
+started, in reverse order, on exit.
 
 `supervise()` is a restart policy like compose's `restart: unless-stopped`: a process that exits is started again
 with the same command and log file, after a back-off that doubles with each quick death (1 s up to 30 s) and resets
@@ -66,8 +67,13 @@ class LocalStack:
         log_dir: Path,
         pick_free_ports: bool = False,
         extra_env: dict[str, str] | None = None,
+        inference_argv: list[str] | None = None,
+        inference_ready_timeout_s: float = 300.0,
     ) -> None:
         self.settings = settings
+        # The reference server by default; the GPU demo runs SGLang with the capture plugin instead.
+        self.inference_argv = inference_argv or [sys.executable, "-m", "services.inference.reference"]
+        self.inference_ready_timeout_s = inference_ready_timeout_s
         self.workers = workers
         self.log_dir = log_dir
         self.pick_free_ports = pick_free_ports
@@ -139,8 +145,12 @@ class LocalStack:
         )
 
     def start_inference(self) -> None:
-        self._spawn("inference", [sys.executable, "-m", "services.inference.reference"])
-        self._wait("inference", lambda: _http_ok(f"{self.env['EAGLE3_INFERENCE_URL']}/health"), timeout_s=300)
+        self._spawn("inference", self.inference_argv)
+        self._wait(
+            "inference",
+            lambda: _http_ok(f"{self.env['EAGLE3_INFERENCE_URL']}/health"),
+            timeout_s=self.inference_ready_timeout_s,
+        )
 
     def add_worker(self) -> str:
         name = f"worker-{sum(n.startswith('worker-') for n, _ in self.processes) + 1}"

@@ -1,0 +1,676 @@
+"""Acceptance and speedup as the serving engine measures them (`eagle3 eval --engine sglang`).
+
+The drafter is exported for SGLang and served by SGLang's own EAGLE-3 speculative decoding, CUDA graphs on as a
+user serves it, next to a plain server of the same target. For every prompt of each file, decoded greedily:
+
+- acceptance length from SGLang's own per-request counters: (completion tokens - 1) / verification steps, the
+  first token coming from the prefill (`spec_verify_ct`); the mean over prompts with a 95% interval, pooled too;
+- acceptance per draft position from SGLang's histogram of correct drafts per step, where it sends one;
+- tokens/s with and without speculation at batch 1 (one request at a time) and at `--concurrency` requests in
+  flight (the file's prompts repeated to at least twice that many requests), medians of `--repeats` runs; their
+  ratio is the speedup;
+- how many outputs are token for token what the plain server decodes greedily;
+- beside it, the project's own measured acceptance (services/trainer/speculative.py) on the same prompts, for a
+  chain setting (topk 1): where the two differ by more than 10% the report says so with both numbers.
+
+Speculative settings (`steps,topk,draft_tokens`, SGLang's `--speculative-num-steps`, `--speculative-eagle-topk`,
+`--speculative-num-draft-tokens`) can be several: each is served in turn and the table says which served best.
+Either the servers are launched here (from `--sglang-python`, default this one), or `--url` is a running
+speculative server (its settings are read from it) and `--plain-url` a plain one.
+"""
+
+import argparse
+import json
+import logging
+import math
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from eagle3.local_stack import free_port
+from eagle3.sglang_server import sglang_process, stock_argv
+from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
+from services.trainer.drafter import Eagle3Drafter
+from services.trainer.evaluate import load_target, prompts_from_file, untrained_drafter
+from services.trainer.export import export_sglang
+from services.trainer.speculative import measure_acceptance
+from shared.errors import ConfigurationError, Eagle3Error
+from shared.settings import Settings
+from shared.storage import open_storage
+from shared.tokenization import ChatTokenizer
+
+logger = logging.getLogger(__name__)
+
+DISAGREEMENT = 0.10  # relative difference between SGLang's and our acceptance length that the report flags
+REQUEST_TIMEOUT_S = 600.0
+WARMUP_REQUESTS = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """One EAGLE-3 serving setting: draft steps, candidates per step, tokens verified per step."""
+
+    steps: int
+    topk: int
+    draft_tokens: int
+
+    @classmethod
+    def parse(cls, text: str) -> "SpeculativeConfig":
+        """'STEPS,TOPK,DRAFT_TOKENS', e.g. '7,1,8' (a chain of 7 drafts) or '5,4,16' (a tree)."""
+        try:
+            steps, topk, draft_tokens = (int(part) for part in text.split(","))
+        except ValueError:
+            raise ConfigurationError(
+                f"speculative setting {text!r}: expected STEPS,TOPK,DRAFT_TOKENS, e.g. 7,1,8"
+            ) from None
+        config = cls(steps, topk, draft_tokens)
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.steps < 1 or self.topk < 1 or self.draft_tokens < 2:
+            raise ConfigurationError(f"speculative setting {self.label}: steps and topk >= 1, draft tokens >= 2")
+        # SGLang silently resets draft tokens to steps + 1 for a chain; the table must say what really ran.
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ConfigurationError(
+                f"speculative setting {self.label}: with topk 1 SGLang verifies steps + 1 = {self.steps + 1} tokens"
+            )
+        if self.draft_tokens > self.steps * self.topk + 1:
+            raise ConfigurationError(
+                f"speculative setting {self.label}: at most steps * topk + 1 = {self.steps * self.topk + 1} "
+                "draft tokens can be verified"
+            )
+
+    @property
+    def label(self) -> str:
+        return f"{self.steps},{self.topk},{self.draft_tokens}"
+
+    @property
+    def chain(self) -> bool:
+        """A single chain of drafts: what the project's own speculative decoding measures too."""
+        return self.topk == 1
+
+    def launch_args(self, draft_model_dir: Path | str) -> list[str]:
+        return [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(draft_model_dir),
+            "--speculative-num-steps",
+            str(self.steps),
+            "--speculative-eagle-topk",
+            str(self.topk),
+            "--speculative-num-draft-tokens",
+            str(self.draft_tokens),
+        ]
+
+    @classmethod
+    def from_server_info(cls, info: dict[str, Any]) -> "SpeculativeConfig":
+        """The setting a running server was launched with (its `/server_info`)."""
+        if (info.get("speculative_algorithm") or "").upper() not in ("EAGLE3", "EAGLE"):
+            raise ConfigurationError(
+                f"the server at --url serves no EAGLE-3 drafter (speculative_algorithm "
+                f"{info.get('speculative_algorithm')!r})"
+            )
+        return cls(
+            int(info["speculative_num_steps"]),
+            int(info["speculative_eagle_topk"]),
+            int(info["speculative_num_draft_tokens"]),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One server, driven
+
+
+@dataclass
+class Completion:
+    """One greedy `/generate` answer: the new tokens and, from a speculative server, its counters."""
+
+    output_ids: list[int]
+    verify_steps: int | None = None  # spec_verify_ct: target verification forwards after the prefill
+    correct_drafts: int | None = None  # spec_num_correct_drafts: drafts accepted, bonus tokens not counted
+    correct_drafts_histogram: list[int] | None = None  # [j] = verification steps that accepted j drafts
+
+    @classmethod
+    def from_response(cls, body: dict[str, Any]) -> "Completion":
+        meta = body.get("meta_info") or {}
+        output_ids = body.get("output_ids")
+        if output_ids is None:
+            raise Eagle3Error(f"SGLang answered without output_ids: {sorted(body)}")
+        verify_steps = meta.get("spec_verify_ct")
+        return cls(
+            output_ids=list(output_ids),
+            verify_steps=int(verify_steps) if verify_steps is not None else None,
+            correct_drafts=meta.get("spec_num_correct_drafts"),
+            correct_drafts_histogram=meta.get("spec_correct_drafts_histogram"),
+        )
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens per verification step, the bonus token included; the prefill's first token is not a step's."""
+        if not self.verify_steps:
+            return None
+        return (len(self.output_ids) - 1) / self.verify_steps
+
+
+def generate(client: httpx.Client, url: str, prompt: list[int], *, max_new_tokens: int) -> Completion:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    response = client.post(f"{url}/generate", json=body)
+    if response.status_code != 200:
+        raise Eagle3Error(f"SGLang at {url} answered {response.status_code}: {response.text[:300]}")
+    return Completion.from_response(response.json())
+
+
+def decode_all(
+    url: str, prompts: list[list[int]], *, max_new_tokens: int, concurrency: int = 1
+) -> tuple[list[Completion], float]:
+    """Every prompt, `concurrency` requests in flight, in order; returns the answers and the wall seconds."""
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=concurrency)) as client:
+        started = time.perf_counter()
+        if concurrency == 1:
+            completions = [generate(client, url, prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
+        else:
+            with ThreadPoolExecutor(concurrency) as pool:
+                completions = list(
+                    pool.map(lambda prompt: generate(client, url, prompt, max_new_tokens=max_new_tokens), prompts)
+                )
+        return completions, time.perf_counter() - started
+
+
+def load_requests(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts, repeated until there are at least twice `concurrency` requests: the server stays loaded for
+    most of the run instead of draining a single wave."""
+    repeats = max(1, math.ceil(2 * concurrency / len(prompts)))
+    return [prompt for _ in range(repeats) for prompt in prompts]
+
+
+@dataclass
+class ServerRun:
+    """What one server did on one prompt file."""
+
+    completions: list[Completion]  # batch 1, in prompt order
+    tokens_per_s: float  # batch 1, median over repeats
+    concurrent_tokens_per_s: float | None  # at `concurrency` in flight, median over repeats
+
+
+def run_server(url: str, prompts: list[list[int]], *, max_new_tokens: int, concurrency: int, repeats: int) -> ServerRun:
+    """Batch 1 `repeats` times (the first run's answers are kept), then `concurrency` in flight `repeats` times."""
+    decode_all(url, prompts[:WARMUP_REQUESTS], max_new_tokens=max_new_tokens)
+    rates, completions = [], []
+    for index in range(repeats):
+        answers, seconds = decode_all(url, prompts, max_new_tokens=max_new_tokens)
+        rates.append(sum(len(a.output_ids) for a in answers) / seconds)
+        if index == 0:
+            completions = answers
+    concurrent = None
+    if concurrency > 1:
+        requests = load_requests(prompts, concurrency)
+        concurrent_rates = []
+        for _ in range(repeats):
+            answers, seconds = decode_all(url, requests, max_new_tokens=max_new_tokens, concurrency=concurrency)
+            concurrent_rates.append(sum(len(a.output_ids) for a in answers) / seconds)
+        concurrent = statistics.median(concurrent_rates)
+    return ServerRun(completions, statistics.median(rates), concurrent)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Acceptance from SGLang's counters
+
+
+@dataclass
+class EngineAcceptance:
+    prompts: int
+    new_tokens: int
+    verify_steps: int
+    acceptance_length: float  # mean over prompts of (completion - 1) / verification steps
+    acceptance_length_ci95: tuple[float, float]
+    pooled_acceptance_length: float  # all (completion - 1) over all verification steps
+    position_acceptance: list[float]  # share of steps whose draft k+1 was accepted; empty without a histogram
+
+
+def engine_acceptance(completions: list[Completion]) -> EngineAcceptance:
+    """SGLang's counters of every prompt, summed and averaged as `eagle3 eval` averages its own."""
+    measured = [c for c in completions if c.verify_steps]
+    if len(measured) < len(completions):
+        logger.info(
+            "%d of %d prompts ended before any verification step", len(completions) - len(measured), len(completions)
+        )
+    lengths = [c.acceptance_length for c in measured if c.acceptance_length is not None]
+    steps = sum(c.verify_steps or 0 for c in measured)
+    after_prefill = sum(len(c.output_ids) - 1 for c in measured)
+    mean = statistics.fmean(lengths) if lengths else math.nan
+    ci95 = (math.nan, math.nan)
+    if len(lengths) >= 2:
+        half = statistics.NormalDist().inv_cdf(0.975) * statistics.stdev(lengths) / math.sqrt(len(lengths))
+        ci95 = (mean - half, mean + half)
+    return EngineAcceptance(
+        prompts=len(completions),
+        new_tokens=sum(len(c.output_ids) for c in completions),
+        verify_steps=steps,
+        acceptance_length=mean,
+        acceptance_length_ci95=ci95,
+        pooled_acceptance_length=after_prefill / steps if steps else math.nan,
+        position_acceptance=position_acceptance(measured),
+    )
+
+
+def position_acceptance(completions: list[Completion]) -> list[float]:
+    """From the per-request histograms of correct drafts per step: the share of steps that accepted draft k+1
+    (k+1 or more drafts correct). Empty when SGLang sent no histogram."""
+    histograms = [c.correct_drafts_histogram for c in completions if c.correct_drafts_histogram]
+    if not histograms:
+        return []
+    width = max(len(h) for h in histograms)
+    totals = [sum(h[j] for h in histograms if j < len(h)) for j in range(width)]
+    steps = sum(totals)
+    return [sum(totals[j] for j in range(k + 1, width)) / steps for k in range(width - 1)] if steps else []
+
+
+def matching_outputs(completions: list[Completion], reference: list[Completion]) -> int:
+    return sum(a.output_ids == b.output_ids for a, b in zip(completions, reference, strict=True))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The whole measurement
+
+
+@dataclass
+class EngineResult:
+    """One drafter, one setting, one prompt file: a row of the table."""
+
+    file: str
+    drafter: str  # "trained", "untrained" (--baseline) or "served" (--url)
+    setting: str  # steps,topk,draft_tokens
+    acceptance: EngineAcceptance
+    matches_greedy: int | None  # outputs equal to the plain server's greedy ones (None without a plain server)
+    tokens_per_s: float
+    plain_tokens_per_s: float | None
+    concurrent_tokens_per_s: float | None
+    plain_concurrent_tokens_per_s: float | None
+    own_acceptance_length: float | None = None  # the project's own measured acceptance on the same prompts
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        return self.tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else None
+
+    @property
+    def concurrent_speedup(self) -> float | None:
+        if self.concurrent_tokens_per_s is None or not self.plain_concurrent_tokens_per_s:
+            return None
+        return self.concurrent_tokens_per_s / self.plain_concurrent_tokens_per_s
+
+    def compare_with_own(self, own: float) -> None:
+        self.own_acceptance_length = own
+        engine = self.acceptance.acceptance_length
+        if math.isfinite(own) and math.isfinite(engine) and abs(engine - own) > DISAGREEMENT * own:
+            self.notes.append(
+                f"SGLang's acceptance length {engine:.3f} and the project's own {own:.3f} differ by "
+                f"{abs(engine - own) / own:.0%} (more than {DISAGREEMENT:.0%}) on the same prompts"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"speedup": self.speedup, "concurrent_speedup": self.concurrent_speedup}
+
+
+@dataclass
+class EngineEvalOptions:
+    settings: list[SpeculativeConfig]
+    max_new_tokens: int = 64
+    concurrency: int = 16
+    repeats: int = 2
+    max_prompts: int | None = None
+    baseline: bool = False
+    compare_own: bool = True
+    url: str | None = None  # a running speculative server instead of launching
+    plain_url: str | None = None  # a running plain server instead of launching
+    sglang_python: str = sys.executable
+    sglang_args: list[str] = field(default_factory=list)  # every launch gets them
+    work_dir: Path | None = None  # exports and server logs (default: a temporary folder)
+
+
+def evaluate_on_engine(
+    ref: str, files: list[Path], *, settings: Settings, model_path: str | None, options: EngineEvalOptions
+) -> dict[str, Any]:
+    storage = open_storage(settings.storage_url, settings)
+    checkpoint = load_checkpoint(ref, storage)
+    target = Path(model_path or checkpoint.model_path)
+    chat = ChatTokenizer.from_pretrained(target)
+    prompt_sets = {str(path): prompts_from_file(path, chat, max_prompts=options.max_prompts) for path in files}
+    drafters: dict[str, Eagle3Drafter] = {}
+    if options.url is None:
+        drafters["trained"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
+        if options.baseline:
+            drafters["untrained"] = untrained_drafter(checkpoint, target)
+    elif options.baseline:
+        raise ConfigurationError("--baseline needs the servers launched here: it cannot change what --url serves")
+
+    with _work_dir(options.work_dir) as work:
+        plain = _plain_runs(target, prompt_sets, options, work)
+        results: list[EngineResult] = []
+        if options.url is not None:
+            info = server_info(options.url)
+            served = SpeculativeConfig.from_server_info(info)
+            runs = {f: _run(options.url, p, options) for f, p in prompt_sets.items()}
+            results += _rows("served", served, runs, plain)
+            drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
+            tested = [served]
+        else:
+            tested = options.settings
+            for name, drafter in drafters.items():
+                export_dir = export_sglang(drafter, work / f"drafter-{name}")
+                for setting in options.settings:
+                    runs = _speculative_runs(target, export_dir, setting, prompt_sets, options, work / name)
+                    results += _rows(name, setting, runs, plain)
+        if options.compare_own:
+            _compare_with_own(results, drafters, prompt_sets, target, tested, options.max_new_tokens)
+    for result in results:
+        for note in result.notes:
+            logger.warning("%s, %s drafter, setting %s: %s", result.file, result.drafter, result.setting, note)
+    return {
+        "checkpoint": checkpoint.source,
+        "job_id": checkpoint.job_id,
+        "step": checkpoint.step,
+        "engine": "sglang",
+        "max_new_tokens": options.max_new_tokens,
+        "concurrency": options.concurrency,
+        "repeats": options.repeats,
+        "best_setting": best_setting(results),
+        "results": [result.as_dict() for result in results],
+    }
+
+
+@contextmanager
+def _work_dir(path: Path | None) -> Iterator[Path]:
+    if path is not None:
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="eagle3-engine-eval-") as scratch:
+        yield Path(scratch)
+
+
+def _run(url: str, prompts: list[list[int]], options: EngineEvalOptions) -> ServerRun:
+    return run_server(
+        url, prompts, max_new_tokens=options.max_new_tokens, concurrency=options.concurrency, repeats=options.repeats
+    )
+
+
+def _launch(argv: list[str], port: int, log: Path, options: EngineEvalOptions) -> Any:
+    return sglang_process(
+        argv,
+        url=f"http://127.0.0.1:{port}",
+        log=log,
+        python=options.sglang_python,
+        env={"SGLANG_PLUGINS": "none"},  # the capture plugin, where installed, stays out of a serving measurement
+    )
+
+
+def _plain_runs(
+    target: Path, prompt_sets: dict[str, list[list[int]]], options: EngineEvalOptions, work: Path
+) -> dict[str, ServerRun] | None:
+    if options.plain_url is not None:
+        return {f: _run(options.plain_url, p, options) for f, p in prompt_sets.items()}
+    if options.url is not None:
+        return None  # a served drafter and no plain server to compare with
+    port = free_port()
+    argv = stock_argv(target, port=port, extra_args=serving_args(options, None))
+    with _launch(argv, port, work / "sglang-plain.log", options) as url:
+        return {f: _run(url, p, options) for f, p in prompt_sets.items()}
+
+
+def serving_args(
+    options: EngineEvalOptions, setting: SpeculativeConfig | None, draft_dir: Path | None = None
+) -> list[str]:
+    """Launch arguments after the model and address: the speculative setting, then what the user adds."""
+    speculative = setting.launch_args(draft_dir) if setting is not None and draft_dir is not None else []
+    # Decode CUDA graphs for every batch size up to the requests in flight, and no larger ones: a shorter start.
+    graphs = ["--cuda-graph-max-bs-decode", str(options.concurrency)]
+    return [*speculative, *graphs, *options.sglang_args]
+
+
+def _speculative_runs(
+    target: Path,
+    export_dir: Path,
+    setting: SpeculativeConfig,
+    prompt_sets: dict[str, list[list[int]]],
+    options: EngineEvalOptions,
+    work: Path,
+) -> dict[str, ServerRun]:
+    port = free_port()
+    argv = stock_argv(target, port=port, extra_args=serving_args(options, setting, export_dir))
+    log = work / f"sglang-{setting.label.replace(',', '-')}.log"
+    logger.info("serving %s with SGLang EAGLE-3, setting %s (log %s)", export_dir, setting.label, log)
+    with _launch(argv, port, log, options) as url:
+        return {f: _run(url, p, options) for f, p in prompt_sets.items()}
+
+
+def _rows(
+    drafter: str, setting: SpeculativeConfig, runs: dict[str, ServerRun], plain: dict[str, ServerRun] | None
+) -> list[EngineResult]:
+    rows = []
+    for file, run in runs.items():
+        reference = plain[file] if plain is not None else None
+        rows.append(
+            EngineResult(
+                file=file,
+                drafter=drafter,
+                setting=setting.label,
+                acceptance=engine_acceptance(run.completions),
+                matches_greedy=matching_outputs(run.completions, reference.completions) if reference else None,
+                tokens_per_s=run.tokens_per_s,
+                plain_tokens_per_s=reference.tokens_per_s if reference else None,
+                concurrent_tokens_per_s=run.concurrent_tokens_per_s,
+                plain_concurrent_tokens_per_s=reference.concurrent_tokens_per_s if reference else None,
+            )
+        )
+    return rows
+
+
+def _compare_with_own(
+    results: list[EngineResult],
+    drafters: dict[str, Eagle3Drafter],
+    prompt_sets: dict[str, list[list[int]]],
+    target: Path,
+    settings: list[SpeculativeConfig],
+    max_new_tokens: int,
+) -> None:
+    """The project's own speculative decoding of the same prompts, once per drafter, file and chain length."""
+    chains = sorted({s.steps for s in settings if s.chain})
+    if not chains:
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target_model = load_target(target).to(device)
+    for name, drafter in drafters.items():
+        drafter.to(device)
+        for file, prompts in prompt_sets.items():
+            for steps in chains:
+                own = measure_acceptance(
+                    target_model, drafter, prompts, num_draft_tokens=steps, max_new_tokens=max_new_tokens
+                ).mean_acceptance_length
+                for result in results:
+                    if (result.drafter, result.file) == (name, file) and result.setting.startswith(f"{steps},1,"):
+                        result.compare_with_own(own)
+
+
+def best_setting(results: list[EngineResult]) -> dict[str, Any] | None:
+    """The setting with the highest median batch-1 speedup of the trained (or served) drafter over the files."""
+    by_setting: dict[str, list[float]] = {}
+    for result in results:
+        if result.drafter in ("trained", "served") and result.speedup is not None:
+            by_setting.setdefault(result.setting, []).append(result.speedup)
+    if not by_setting:
+        return None
+    setting, speedups = max(by_setting.items(), key=lambda item: statistics.median(item[1]))
+    return {"setting": setting, "median_speedup": statistics.median(speedups)}
+
+
+def server_info(url: str) -> dict[str, Any]:
+    for path in ("/server_info", "/get_server_info"):
+        response = httpx.get(f"{url}{path}", timeout=30)
+        if response.status_code == 200:
+            return response.json()
+    raise Eagle3Error(f"{url}: neither /server_info nor /get_server_info answered")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The table
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def engine_table(report: dict[str, Any]) -> Table:
+    """`eagle3 eval`'s table with the engine's columns: a row per file, drafter and speculative setting."""
+    concurrency = report["concurrency"]
+    table = Table(
+        title=f"SGLang EAGLE-3: {report['checkpoint']} (step {report['step']}), greedy, up to "
+        f"{report['max_new_tokens']} new tokens per prompt; tokens/s medians of {report['repeats']} runs",
+        caption="setting = steps,topk,draft tokens; ours = the project's own measured acceptance, same prompts",
+    )
+    for column in ("prompts file", "drafter", "setting"):
+        table.add_column(column, overflow="fold")
+    for column in ("prompts", "new tokens", "accept length", "95% interval", "ours"):
+        table.add_column(column, justify="right")
+    table.add_column("acceptance per draft position")
+    table.add_column("matches greedy", justify="right")
+    for column in ("tok/s b1", "plain b1", "speedup b1", f"tok/s @{concurrency}", f"plain @{concurrency}"):
+        table.add_column(column, justify="right")
+    table.add_column(f"speedup @{concurrency}", justify="right")
+    files = {row["file"] for row in report["results"]}
+    short_names = len({Path(file).name for file in files}) == len(files)
+    for row in report["results"]:
+        acceptance = row["acceptance"]
+        low, high = acceptance["acceptance_length_ci95"]
+        own = row["own_acceptance_length"]
+        table.add_row(
+            Path(row["file"]).name if short_names else row["file"],
+            row["drafter"],
+            row["setting"],
+            str(acceptance["prompts"]),
+            str(acceptance["new_tokens"]),
+            f"{acceptance['acceptance_length']:.3f}",
+            f"{low:.3f}-{high:.3f}",
+            "-" if own is None else f"{own:.3f}",
+            " ".join(f"{share:.2f}" for share in acceptance["position_acceptance"]) or "-",
+            "-" if row["matches_greedy"] is None else f"{row['matches_greedy']}/{acceptance['prompts']}",
+            _rate(row["tokens_per_s"]),
+            _rate(row["plain_tokens_per_s"]),
+            _ratio(row["speedup"]),
+            _rate(row["concurrent_tokens_per_s"]),
+            _rate(row["plain_concurrent_tokens_per_s"]),
+            _ratio(row["concurrent_speedup"]),
+        )
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `eagle3 eval --engine sglang`
+
+
+def add_engine_arguments(eval_parser: argparse.ArgumentParser) -> None:
+    """The serving-engine options of `eagle3 eval`; its own options (--checkpoint, --prompts-file, --baseline,
+    --max-prompts, --max-new-tokens, --num-draft-tokens, --json, --model) mean the same with --engine sglang."""
+    group = eval_parser.add_argument_group("serving engine (--engine sglang, with --prompts-file)")
+    group.add_argument(
+        "--engine",
+        choices=["ours", "sglang"],
+        default="ours",
+        help="ours: the project's own speculative decoding (default); sglang: SGLang's EAGLE-3 serving, CUDA graphs "
+        "on, against plain SGLang decoding",
+    )
+    group.add_argument(
+        "--speculative",
+        action="append",
+        type=speculative_setting,
+        metavar="STEPS,TOPK,DRAFT_TOKENS",
+        help="a serving setting; repeat to sweep (each is served in turn; the report names the fastest). "
+        "Default: a chain of --num-draft-tokens drafts, N,1,N+1",
+    )
+    group.add_argument("--concurrency", type=int, default=16, help="requests in flight for the loaded speedup")
+    group.add_argument("--repeats", type=int, default=2, help="timed runs per measure (medians)")
+    group.add_argument("--url", help="a running SGLang server that serves the drafter (its settings are read)")
+    group.add_argument("--plain-url", help="a running plain SGLang server of the same target")
+    group.add_argument("--sglang-python", default=sys.executable, help="the Python that has SGLang (default: this)")
+    group.add_argument(
+        "--sglang-args", default="", help="more sglang.launch_server arguments for every launch (one string)"
+    )
+    group.add_argument(
+        "--no-own-eval",
+        dest="compare_own",
+        action="store_false",
+        help="skip the project's own measured acceptance beside SGLang's",
+    )
+    group.add_argument("--work-dir", type=Path, help="keep the exports and server logs here (default: temporary)")
+    eval_parser.set_defaults(func=cmd_eval)
+
+
+def speculative_setting(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ConfigurationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
+    from services.trainer import cli as trainer_cli
+
+    if args.engine == "ours":
+        trainer_cli.cmd_eval(args, settings)
+        return
+    if not args.prompts_file:
+        raise ConfigurationError("--engine sglang decodes prompt files: give --prompts-file")
+    if args.concurrency < 1 or args.repeats < 1:
+        raise ConfigurationError("--concurrency and --repeats must be at least 1")
+    steps = args.num_draft_tokens
+    options = EngineEvalOptions(
+        settings=args.speculative or [SpeculativeConfig(steps, 1, steps + 1)],
+        max_new_tokens=args.max_new_tokens,
+        concurrency=args.concurrency,
+        repeats=args.repeats,
+        max_prompts=args.max_prompts,
+        baseline=args.baseline,
+        compare_own=args.compare_own,
+        url=args.url,
+        plain_url=args.plain_url,
+        sglang_python=args.sglang_python,
+        sglang_args=shlex.split(args.sglang_args),
+        work_dir=args.work_dir,
+    )
+    report = evaluate_on_engine(
+        args.checkpoint,
+        [Path(file) for file in args.prompts_file],
+        settings=settings,
+        model_path=args.model_path,
+        options=options,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    console = Console()
+    console.print(engine_table(report))
+    for row in report["results"]:
+        for note in row["notes"]:
+            console.print(f"[yellow]{Path(row['file']).name}, {row['drafter']}, {row['setting']}: {note}[/]")
+    if report["best_setting"]:
+        best = report["best_setting"]
+        console.print(f"fastest setting at batch 1: {best['setting']} ({best['median_speedup']:.2f}x plain, median)")

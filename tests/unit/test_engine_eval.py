@@ -1,0 +1,206 @@
+"""`eagle3 eval --engine sglang` on the CPU: its launch arguments read by SGLang 0.5.23's own parser, its numbers
+from SGLang's answers (the shape `/generate` sends with speculative decoding on: tokenizer_manager's
+`_calculate_spec_decoding_metrics`), its settings and its errors. The measurement itself needs a GPU: it runs on
+the lent H200 (docs/benchmarks.md)."""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3 import cli
+from eagle3.engine_eval import (
+    Completion,
+    EngineEvalOptions,
+    EngineResult,
+    SpeculativeConfig,
+    best_setting,
+    engine_acceptance,
+    engine_table,
+    load_requests,
+    matching_outputs,
+    position_acceptance,
+    serving_args,
+)
+from eagle3.sglang_server import stock_argv
+from shared.errors import ConfigurationError
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_CPU = ROOT / ".venv" / "sglang-cpu"  # Makefile: SGLang's parser, installed without its GPU dependencies
+PARSE = ROOT / "tests" / "fixtures" / "sglang_parse.py"
+# What the lent H200's SGLang set-up adds to every launch (its FA3 library is not carried; docs/benchmarks.md).
+DEVICE_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache"]
+
+
+def sglang_parse(argv: list[str]) -> subprocess.CompletedProcess:
+    if not (SGLANG_CPU / "sglang").is_dir():
+        pytest.skip(f"SGLang's parser is not installed in {SGLANG_CPU} (make install)")
+    return subprocess.run(
+        [sys.executable, str(PARSE)],
+        input=json.dumps(argv),
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SGLANG_CPU)},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("setting", ["7,1,8", "3,1,4", "5,4,16"])
+def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Path) -> None:
+    config = SpeculativeConfig.parse(setting)
+    options = EngineEvalOptions(settings=[config], concurrency=16, sglang_args=DEVICE_ARGS)
+    argv = stock_argv(tmp_path / "target", port=31234, extra_args=serving_args(options, config, tmp_path / "draft"))
+
+    parsed = sglang_parse(argv[2:])  # after "-m sglang.launch_server"
+
+    assert parsed.returncode == 0, parsed.stderr[-2000:]
+    values = json.loads(parsed.stdout)
+    assert values["model_path"] == str(tmp_path / "target") and values["port"] == 31234
+    assert values["speculative_algorithm"] == "EAGLE3"
+    assert values["speculative_draft_model_path"] == str(tmp_path / "draft")
+    assert (values["speculative_num_steps"], values["speculative_eagle_topk"]) == (config.steps, config.topk)
+    assert values["speculative_num_draft_tokens"] == config.draft_tokens
+    assert values["cuda_graph_max_bs_decode"] == 16
+    assert not values["disable_cuda_graph"]  # served as users serve it
+    assert values["attention_backend"] == "triton" and values["disable_radix_cache"]
+
+
+def test_the_plain_launch_parses_without_speculation(tmp_path: Path) -> None:
+    options = EngineEvalOptions(settings=[], concurrency=8)
+    parsed = sglang_parse(stock_argv(tmp_path, port=30001, extra_args=serving_args(options, None))[2:])
+    assert parsed.returncode == 0, parsed.stderr[-2000:]
+    values = json.loads(parsed.stdout)
+    assert values["speculative_algorithm"] is None and values["cuda_graph_max_bs_decode"] == 8
+
+
+def test_sglangs_parser_really_checks(tmp_path: Path) -> None:
+    """The check above can fail: a flag SGLang 0.5.23 does not know, or an ambiguous prefix of two it does
+    (`--cuda-graph-max-bs`, which our first version passed), is refused."""
+    for wrong in (["--speculative-num-stepz", "5"], ["--cuda-graph-max-bs", "16"]):
+        parsed = sglang_parse(["--model-path", str(tmp_path), *wrong])
+        assert parsed.returncode == 2 and wrong[0] in parsed.stderr
+
+
+def test_settings_say_what_sglang_would_change() -> None:
+    assert SpeculativeConfig.parse("7,1,8").chain and not SpeculativeConfig.parse("5,4,16").chain
+    with pytest.raises(ConfigurationError, match="steps \\+ 1 = 8"):
+        SpeculativeConfig.parse("7,1,16")  # SGLang would quietly verify 8
+    with pytest.raises(ConfigurationError, match="at most steps \\* topk \\+ 1"):
+        SpeculativeConfig.parse("2,2,8")
+    with pytest.raises(ConfigurationError, match="STEPS,TOPK,DRAFT_TOKENS"):
+        SpeculativeConfig.parse("7-1-8")
+    info = {"speculative_algorithm": "EAGLE3", "speculative_num_steps": 5, "speculative_eagle_topk": 1}
+    assert SpeculativeConfig.from_server_info(info | {"speculative_num_draft_tokens": 6}).label == "5,1,6"
+    with pytest.raises(ConfigurationError, match="serves no EAGLE-3 drafter"):
+        SpeculativeConfig.from_server_info({"speculative_algorithm": None})
+
+
+def answer(output_ids: list[int], verify_ct: int, histogram: list[int]) -> dict:
+    """A speculative `/generate` answer as SGLang 0.5.23 builds it (meta_info of a finished request)."""
+    correct = sum(j * count for j, count in enumerate(histogram))
+    return {
+        "text": "",
+        "output_ids": output_ids,
+        "meta_info": {
+            "id": "x",
+            "prompt_tokens": 12,
+            "completion_tokens": len(output_ids),
+            "spec_verify_ct": verify_ct,
+            "spec_num_correct_drafts": correct,
+            "spec_accept_length": len(output_ids) / verify_ct,  # SGLang's own, which counts the prefill token
+            "spec_correct_drafts_histogram": histogram,
+        },
+    }
+
+
+def test_acceptance_from_sglangs_counters() -> None:
+    # 9 tokens: 1 from the prefill, then 3 steps of 3, 1 and 4 tokens (2, 0 and 3 drafts accepted).
+    first = Completion.from_response(answer(list(range(9)), 3, [1, 0, 1, 1]))
+    # 5 tokens: the prefill's, then 2 steps of 2 tokens each.
+    second = Completion.from_response(answer(list(range(5)), 2, [0, 2]))
+    plain = Completion.from_response({"output_ids": [1, 2], "meta_info": {"completion_tokens": 2}})
+
+    assert first.acceptance_length == pytest.approx(8 / 3) and second.acceptance_length == pytest.approx(2.0)
+    assert plain.verify_steps is None and plain.acceptance_length is None
+    result = engine_acceptance([first, second])
+    assert result.prompts == 2 and result.new_tokens == 14 and result.verify_steps == 5
+    assert result.acceptance_length == pytest.approx((8 / 3 + 2.0) / 2)
+    assert result.pooled_acceptance_length == pytest.approx(12 / 5)
+    low, high = result.acceptance_length_ci95
+    assert low < result.acceptance_length < high
+    # Steps with >= 1, >= 2, >= 3 drafts correct, over 5 steps: 4, 2 and 1.
+    assert result.position_acceptance == pytest.approx([4 / 5, 2 / 5, 1 / 5])
+
+
+def test_positions_are_left_out_when_sglang_sends_no_histogram() -> None:
+    completion = Completion(output_ids=[1, 2, 3], verify_steps=1)
+    assert position_acceptance([completion]) == []
+    assert math.isnan(engine_acceptance([completion]).acceptance_length_ci95[0])
+
+
+def test_an_answer_without_token_ids_is_an_error() -> None:
+    with pytest.raises(Exception, match="without output_ids"):
+        Completion.from_response({"text": "hi", "meta_info": {}})
+
+
+def test_outputs_are_compared_token_for_token_and_requests_keep_the_server_loaded() -> None:
+    ours = [Completion([1, 2, 3]), Completion([4, 5])]
+    assert matching_outputs(ours, [Completion([1, 2, 3]), Completion([4, 6])]) == 1
+    assert len(load_requests([[1], [2], [3]], 16)) == 33  # at least 2 x 16, whole passes over the prompts
+    assert len(load_requests([[1]] * 40, 16)) == 40
+
+
+def row(drafter: str, setting: str, engine: float, plain: float, acceptance: float) -> EngineResult:
+    completions = [Completion(list(range(int(acceptance * 4) + 1)), verify_steps=4)]
+    return EngineResult(
+        file="/data/code.jsonl",
+        drafter=drafter,
+        setting=setting,
+        acceptance=engine_acceptance(completions),
+        matches_greedy=1,
+        tokens_per_s=engine,
+        plain_tokens_per_s=plain,
+        concurrent_tokens_per_s=engine * 8,
+        plain_concurrent_tokens_per_s=plain * 10,
+    )
+
+
+def test_a_disagreement_with_our_own_eval_is_said_with_both_numbers() -> None:
+    close, far = row("trained", "7,1,8", 500, 400, 2.0), row("trained", "7,1,8", 500, 400, 2.0)
+    close.compare_with_own(2.1)
+    far.compare_with_own(2.5)
+    assert close.notes == []
+    assert far.notes and "2.000" in far.notes[0] and "2.500" in far.notes[0] and "20%" in far.notes[0]
+
+
+def test_the_table_and_the_fastest_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [row("trained", "7,1,8", 500, 400, 2.0), row("trained", "3,1,4", 700, 400, 1.75)]
+    rows.append(row("untrained", "3,1,4", 300, 400, 1.0))
+    report = {
+        "checkpoint": "job/trainer/run",
+        "step": 10,
+        "max_new_tokens": 64,
+        "concurrency": 16,
+        "repeats": 2,
+        "results": [r.as_dict() for r in rows],
+    }
+    assert best_setting(rows) == {"setting": "3,1,4", "median_speedup": pytest.approx(1.75)}
+    from rich.console import Console
+
+    console = Console(width=300, record=True, file=io.StringIO())
+    console.print(engine_table(report))
+    text = console.export_text()
+    assert "1.25x" in text and "1.75x" in text and "0.75x" in text and "code.jsonl" in text
+
+
+def test_the_command_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="give --prompts-file"):
+        cli.main(["eval", "--checkpoint", "x", "--engine", "sglang"])
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--checkpoint", "x", "--engine", "sglang", "--speculative", "7,1,16"])
+    assert "with topk 1 SGLang verifies steps + 1 = 8 tokens" in capsys.readouterr().err
