@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from eagle3 import demo, doctor, engine_eval, gpu_demo
+from eagle3 import demo, doctor, engine_eval, gpu_demo, prompts
 from eagle3 import jobs as jobs_cli
 from services.trainer import cli as trainer_cli
 from services.worker import cli as worker_cli
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer_cli.add_parsers(sub)
     engine_eval.add_engine_arguments(sub.choices["eval"])
     doctor.add_parsers(sub)
+    prompts.add_parsers(sub)
     return parser
 
 

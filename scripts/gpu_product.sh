@@ -1,0 +1,78 @@
+#!/bin/bash
+# The product on a lent GPU machine with no network, after SGLang was staged and installed there by
+# ../shared/tools/sglang-h200/sglang_device.sh (stage ... install smollm2). Run from the repository root there:
+#   bash scripts/gpu_product.sh STEP [STEP...]
+# Steps:
+#   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
+#   demo        start `eagle3 demo --gpu` in the background (it outlives this command while the machine is held)
+#   wait        follow the background demo for up to GPU_WAIT_S seconds (default 540), then copy its report and logs
+#   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
+# Env: GPU_DATA (default .gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
+#      DEMO_ARGS / EVAL_ARGS (more arguments), OUT (where results go back).
+set -uo pipefail
+REPO=$(pwd)
+OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
+SITE=${SGL_SITE:-/tmp/sgl_site}
+DATA=${GPU_DATA:-$REPO/.gpu_data}
+MODEL=${GPU_MODEL:-/tmp/sgl_models/smollm2-135m-instruct}
+export PATH="/tmp/sgl_bin:$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
+command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"; }
+export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+export SGLANG_JIT_CACHE_DIR=/tmp/sgl_cache/sglang-jit TVM_FFI_CACHE_DIR=/tmp/sgl_cache/tvm-ffi TRITON_CACHE_DIR=/tmp/sgl_cache/triton
+export EAGLE3_HOME=${EAGLE3_HOME:-/tmp/eagle3-home}
+# The staged sglang-kernel lacks FA3 (sglang_device.sh says why): Triton attention, PyTorch sampling, and no radix
+# cache (its compiled core misreads torch 2.11's dtypes). CUDA graphs stay on.
+DEVICE_ARGS="--attention-backend triton --sampling-backend pytorch --disable-radix-cache"
+DEMO_LOG=/tmp/gpu_demo.log
+
+for step in "$@"; do
+  echo "===== $step $(date +%T)"
+  case $step in
+  deps)
+    [ -d .gpu_wheels ] || { echo "no .gpu_wheels carried"; continue; }
+    missing=()
+    for whl in .gpu_wheels/*.whl; do
+      module=$(unzip -Z1 "$whl" | grep -m1 -E '^[A-Za-z_][A-Za-z0-9_]*/__init__\.py$' | cut -d/ -f1)
+      [ -n "$module" ] && ! python3 -c "import $module" 2>/dev/null && missing+=("$whl")
+    done
+    if [ ${#missing[@]} -gt 0 ]; then
+      echo "installing ${missing[*]}"
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${missing[@]}"
+    fi
+    python3 -c "import eagle3.cli, services.worker.celery_app, services.producer.app; print('project imports ok')" ;;
+  demo)
+    ls -la "$DATA"
+    # setsid: the demo runs on after this command returns (the machine keeps it until it is given back).
+    setsid nohup python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
+      --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
+      --sglang-args "$DEVICE_ARGS" --eval-sglang-args "$DEVICE_ARGS" --report "$EAGLE3_HOME/demo-gpu/report.json" \
+      ${DEMO_ARGS:-} > "$DEMO_LOG" 2>&1 < /dev/null &
+    echo "demo started (pid $!), log $DEMO_LOG" ;;
+  wait)
+    deadline=$(( $(date +%s) + ${GPU_WAIT_S:-540} ))
+    while pgrep -f "eagle3 demo --gpu" > /dev/null && [ "$(date +%s)" -lt "$deadline" ]; do
+      sleep 15; echo "--- $(date +%T)"; tail -c 600 "$DEMO_LOG" | tr '\r' '\n' | tail -n 3
+      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    done
+    pgrep -f "eagle3 demo --gpu" > /dev/null && echo "demo still running" || echo "demo finished"
+    cp "$DEMO_LOG" "$OUTD/demo.log"
+    [ -f "$EAGLE3_HOME/demo-gpu/report.json" ] && cp "$EAGLE3_HOME/demo-gpu/report.json" "$OUTD/demo_report.json"
+    tar czf "$OUTD/demo_logs.tgz" -C "$EAGLE3_HOME/demo-gpu" logs engine-eval 2>/dev/null
+    tail -n 60 "$DEMO_LOG" ;;
+  eval)
+    ckpt=${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT}
+    python3 -m eagle3 eval --engine sglang --checkpoint "$ckpt" --model "$MODEL" \
+      --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" --baseline \
+      --sglang-args "$DEVICE_ARGS" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} > "$OUTD/engine_eval.json" \
+      2> "$OUTD/engine_eval.log"
+    rc=$?; tail -n 30 "$OUTD/engine_eval.log"
+    python3 -c "
+import json, sys
+from rich.console import Console
+from eagle3.engine_eval import engine_table
+Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json'))))" || true
+    tar czf "$OUTD/engine_eval_logs.tgz" -C /tmp/engine-eval . 2>/dev/null; [ $rc = 0 ] || exit $rc ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
