@@ -43,10 +43,10 @@ GPU_DEFAULTS = {
     "shard_token_budget": 65536,
     "draft_vocab_size": 16384,
     "regenerate_max_new_tokens": 384,
-    "regenerate_shard_size": 256,
+    "regenerate_shard_size": 128,
     "eval_max_new_tokens": 128,
     "train_batch_tokens": 32768,
-    "train_seconds": 300,
+    "train_seconds": 240,
 }
 
 
@@ -237,9 +237,9 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eval-sglang-args", default="", help="more arguments for the evaluation's SGLang servers")
     group.add_argument("--mem-fraction-static", type=float, default=0.5, help="the capture server's GPU memory share")
     group.add_argument("--inference-concurrency", type=int, default=32, help="capture requests in flight per worker")
-    group.add_argument("--regenerate-concurrency", type=int, default=64, help="conversations decoded per shard task")
+    group.add_argument("--regenerate-concurrency", type=int, default=128, help="conversations decoded per shard task")
     group.add_argument("--write-concurrency", type=int, default=8, help="sample writer threads per worker")
-    group.add_argument("--train-epochs", type=int, default=10)
+    group.add_argument("--train-epochs", type=int, default=20, help="passes over the data within --train-seconds")
     group.add_argument("--train-on-cpu", action="store_true", help="train on the CPU (a smoke test of the flow)")
     group.add_argument(
         "--speculative",

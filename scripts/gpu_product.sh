@@ -3,17 +3,20 @@
 # ../shared/tools/sglang-h200/sglang_device.sh (stage ... install smollm2). Run from the repository root there:
 #   bash scripts/gpu_product.sh STEP [STEP...]
 # Steps:
+#   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp (a later command that does not carry them
+#               finds them there)
 #   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
 #   demo        start `eagle3 demo --gpu` in the background (it outlives this command while the machine is held)
 #   wait        follow the background demo for up to GPU_WAIT_S seconds (default 540), then copy its report and logs
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
-# Env: GPU_DATA (default .gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
+# Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS (more arguments), OUT (where results go back).
 set -uo pipefail
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
 SITE=${SGL_SITE:-/tmp/sgl_site}
-DATA=${GPU_DATA:-$REPO/.gpu_data}
+DATA=${GPU_DATA:-/tmp/gpu_data}
+WHEELS=${GPU_WHEELS:-/tmp/gpu_wheels}
 MODEL=${GPU_MODEL:-/tmp/sgl_models/smollm2-135m-instruct}
 export PATH="/tmp/sgl_bin:$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
 command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"; }
@@ -29,10 +32,13 @@ DEMO_LOG=/tmp/gpu_demo.log
 for step in "$@"; do
   echo "===== $step $(date +%T)"
   case $step in
+  keep)
+    for d in .gpu_wheels .gpu_data; do [ -d "$d" ] && mkdir -p "/tmp/${d#.}" && cp -r "$d"/. "/tmp/${d#.}/"; done
+    ls -la "$WHEELS" "$DATA" ;;
   deps)
-    [ -d .gpu_wheels ] || { echo "no .gpu_wheels carried"; continue; }
+    [ -d "$WHEELS" ] || { echo "no $WHEELS"; continue; }
     missing=()
-    for whl in .gpu_wheels/*.whl; do
+    for whl in "$WHEELS"/*.whl; do
       module=$(unzip -Z1 "$whl" | grep -m1 -E '^[A-Za-z_][A-Za-z0-9_]*/__init__\.py$' | cut -d/ -f1)
       [ -n "$module" ] && ! python3 -c "import $module" 2>/dev/null && missing+=("$whl")
     done
