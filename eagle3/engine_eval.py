@@ -363,8 +363,10 @@ def evaluate_on_engine(
         plain = _plain_runs(target, prompt_sets, options, work)
         results: list[EngineResult] = []
         if options.url is not None:
-            info = server_info(options.url)
-            served = SpeculativeConfig.from_server_info(info)
+            try:
+                served = SpeculativeConfig.from_server_info(server_info(options.url))
+            except KeyError:  # a server that does not report its setting: the one given
+                served = options.settings[0]
             runs = {f: _run(options.url, p, options) for f, p in prompt_sets.items()}
             results += _rows("served", served, runs, plain)
             drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
@@ -376,8 +378,17 @@ def evaluate_on_engine(
                 for setting in options.settings:
                     runs = _speculative_runs(target, export_dir, setting, prompt_sets, options, work / name)
                     results += _rows(name, setting, runs, plain)
+                    # Minutes of GPU per server: what was measured survives whatever comes next.
+                    (work / "engine-eval-partial.json").write_text(
+                        json.dumps([result.as_dict() for result in results], indent=2)
+                    )
         if options.compare_own:
-            _compare_with_own(results, drafters, prompt_sets, target, tested, options.max_new_tokens)
+            try:
+                _compare_with_own(results, drafters, prompt_sets, target, tested, options.max_new_tokens)
+            except Exception as exc:  # SGLang's numbers stand without ours; say why ours are missing
+                logger.exception("the project's own acceptance could not be measured")
+                for result in results:
+                    result.notes.append(f"the project's own acceptance was not measured: {exc!r}")
     for result in results:
         for note in result.notes:
             logger.warning("%s, %s drafter, setting %s: %s", result.file, result.drafter, result.setting, note)

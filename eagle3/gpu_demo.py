@@ -202,7 +202,7 @@ def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, 
         "train_seconds": summary["train_seconds"],
         "wall_seconds": round(seconds, 1),
         "tokens_per_second": round(summary["train_tokens"] / max(summary["train_seconds"], 1e-9), 1),
-        "heldout": {k: summary[k] for k in ("acc_per_position", "simulated_acceptance_length") if k in summary},
+        "heldout": {k: v for k, v in (summary.get("heldout") or {}).items() if k != "loss_per_position"},
         "export_dir": str(export_dir.resolve()),
     }
 

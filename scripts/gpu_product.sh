@@ -39,7 +39,9 @@ for step in "$@"; do
     [ -d "$WHEELS" ] || { echo "no $WHEELS"; continue; }
     missing=()
     for whl in "$WHEELS"/*.whl; do
-      module=$(unzip -Z1 "$whl" | grep -m1 -E '^[A-Za-z_][A-Za-z0-9_]*/__init__\.py$' | cut -d/ -f1)
+      module=$(python3 -c "import re, sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init__\.py', n)), ''))" "$whl")
       [ -n "$module" ] && ! python3 -c "import $module" 2>/dev/null && missing+=("$whl")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -64,7 +66,9 @@ for step in "$@"; do
     pgrep -f "eagle3 demo --gpu" > /dev/null && echo "demo still running" || echo "demo finished"
     cp "$DEMO_LOG" "$OUTD/demo.log"
     [ -f "$EAGLE3_HOME/demo-gpu/report.json" ] && cp "$EAGLE3_HOME/demo-gpu/report.json" "$OUTD/demo_report.json"
-    tar czf "$OUTD/demo_logs.tgz" -C "$EAGLE3_HOME/demo-gpu" logs engine-eval 2>/dev/null
+    # Logs and partial results only: the exported drafters (tens of MB) stay behind.
+    (cd "$EAGLE3_HOME/demo-gpu" && find logs engine-eval -name '*.log' -o -name '*.json' 2>/dev/null \
+      | tar czf "$OUTD/demo_logs.tgz" -T -)
     tail -n 60 "$DEMO_LOG" ;;
   eval)
     ckpt=${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT}
@@ -78,7 +82,8 @@ import json, sys
 from rich.console import Console
 from eagle3.engine_eval import engine_table
 Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json'))))" || true
-    tar czf "$OUTD/engine_eval_logs.tgz" -C /tmp/engine-eval . 2>/dev/null; [ $rc = 0 ] || exit $rc ;;
+    (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
+    [ $rc = 0 ] || exit $rc ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -21,6 +21,7 @@ verification); sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.p
 decoding must match). SGLang's published accept lengths count the bonus token too.
 """
 
+import inspect
 import logging
 import math
 import statistics
@@ -91,6 +92,14 @@ def eos_token_ids(target_model: LlamaForCausalLM) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name of the KV cache argument of the model's forward: `cache` from transformers 5.24, `past_key_values`
+    before (5.19 is SGLang's pin, which this code meets on a GPU machine). An unknown keyword is swallowed by the
+    model's `**kwargs` without an error and the cache stays empty, so the name is read from the signature."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 @torch.no_grad()
 def greedy_generate(target_model: LlamaForCausalLM, prompt: list[int], *, max_new_tokens: int) -> list[int]:
     """Plain greedy decoding with transformers' own loop: the reference speculative decoding must reproduce."""
@@ -124,12 +133,14 @@ def speculative_generate(
     aux_layer_ids = drafter.config.aux_layer_ids
     device = target_model.device
 
+    cache_keyword = cache_argument(target_model)
+
     def run_target(token_ids: list[int]) -> tuple[Tensor, Tensor]:
         out = target_model(
             input_ids=torch.tensor([token_ids], device=device),
-            cache=target_cache,
             use_cache=True,
             output_hidden_states=True,
+            **{cache_keyword: target_cache},
         )
         return out.logits[0].argmax(-1), aux_hidden_state(out.hidden_states, aux_layer_ids)  # (T,), (1, T, 3H)
 

@@ -23,7 +23,12 @@ from services.trainer.drafter import (
 )
 from services.trainer.evaluate import evaluate_heldout, simulated_acceptance_length
 from services.trainer.loss import Batch, ttt_loss
-from services.trainer.speculative import greedy_generate, measure_acceptance, speculative_generate
+from services.trainer.speculative import (
+    cache_argument,
+    greedy_generate,
+    measure_acceptance,
+    speculative_generate,
+)
 from shared.vocab import build_vocab_mapping
 from tests.trainer.test_loss import AUX_LAYER_IDS, captured_batch
 
@@ -301,3 +306,33 @@ def test_training_on_the_targets_own_states_raises_measured_acceptance(
     )
     assert untrained.matches_greedy and trained.matches_greedy
     assert trained.mean_accepted_per_step > untrained.mean_accepted_per_step + 1.0, (untrained, trained, out)
+
+
+class PastKeyValuesTarget(LlamaForCausalLM):
+    """A target with the forward signature of transformers before 5.24 (SGLang 0.5.23 pins 5.19): the KV cache
+    is `past_key_values`, and a keyword it does not know, such as 5.24's `cache`, is swallowed by `**kwargs`."""
+
+    def forward(self, input_ids: Tensor | None = None, past_key_values: object = None, **kwargs: object) -> object:
+        kwargs.pop("cache", None)
+        return super().forward(input_ids=input_ids, cache=past_key_values, **kwargs)
+
+
+def test_decoding_finds_the_cache_argument_of_older_transformers(
+    target_dir: Path, tiny_target: LlamaForCausalLM, prompts_and_continuations: tuple
+) -> None:
+    """Seen on the GPU machine (transformers 5.19): a cache passed as `cache=` was dropped without an error, and
+    verification cropped an empty cache. The keyword is read from the signature."""
+    older = PastKeyValuesTarget(tiny_target.config).eval()
+    older.load_state_dict(tiny_target.state_dict())
+    assert (cache_argument(tiny_target), cache_argument(older)) == ("cache", "past_key_values")
+
+    drafter, _ = full_vocab_drafter(target_dir)
+    prompts, continuations = prompts_and_continuations
+    output = speculative_generate(
+        older,
+        oracle_for(drafter, [prompts[0] + continuations[0]]),
+        prompts[0],
+        num_draft_tokens=NUM_DRAFT_TOKENS,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )
+    assert output.tokens == continuations[0]
