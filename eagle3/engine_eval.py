@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import free_port
-from eagle3.sglang_server import sglang_process, stock_argv
+from eagle3.sglang_server import ServerLaunch, sglang_processes, stock_argv
 from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
 from services.trainer.drafter import Eagle3Drafter
 from services.trainer.evaluate import load_target, prompts_from_file, untrained_drafter
@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 DISAGREEMENT = 0.10  # relative difference between SGLang's and our acceptance length that the report flags
 REQUEST_TIMEOUT_S = 600.0
+TOGETHER_MEMORY = 0.85  # of the GPU, shared by the servers launched together
 WARMUP_REQUESTS = 4
 
 
@@ -341,6 +342,7 @@ class EngineEvalOptions:
     sglang_python: str = sys.executable
     sglang_args: list[str] = field(default_factory=list)  # every launch gets them
     work_dir: Path | None = None  # exports and server logs (default: a temporary folder)
+    launch: Literal["together", "sequential"] = "together"
 
 
 def evaluate_on_engine(
@@ -360,28 +362,11 @@ def evaluate_on_engine(
         raise ConfigurationError("--baseline needs the servers launched here: it cannot change what --url serves")
 
     with _work_dir(options.work_dir) as work:
-        plain = _plain_runs(target, prompt_sets, options, work)
-        results: list[EngineResult] = []
         if options.url is not None:
-            try:
-                served = SpeculativeConfig.from_server_info(server_info(options.url))
-            except KeyError:  # a server that does not report its setting: the one given
-                served = options.settings[0]
-            runs = {f: _run(options.url, p, options) for f, p in prompt_sets.items()}
-            results += _rows("served", served, runs, plain)
+            results, tested = _measure_running(options, prompt_sets)
             drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
-            tested = [served]
         else:
-            tested = options.settings
-            for name, drafter in drafters.items():
-                export_dir = export_sglang(drafter, work / f"drafter-{name}")
-                for setting in options.settings:
-                    runs = _speculative_runs(target, export_dir, setting, prompt_sets, options, work / name)
-                    results += _rows(name, setting, runs, plain)
-                    # Minutes of GPU per server: what was measured survives whatever comes next.
-                    (work / "engine-eval-partial.json").write_text(
-                        json.dumps([result.as_dict() for result in results], indent=2)
-                    )
+            results, tested = _measure_launched(target, drafters, prompt_sets, options, work), options.settings
         if options.compare_own:
             try:
                 _compare_with_own(results, drafters, prompt_sets, target, tested, options.max_new_tokens)
@@ -400,6 +385,7 @@ def evaluate_on_engine(
         "max_new_tokens": options.max_new_tokens,
         "concurrency": options.concurrency,
         "repeats": options.repeats,
+        "launch": options.launch if options.url is None else "running servers",
         "best_setting": best_setting(results),
         "results": [result.as_dict() for result in results],
     }
@@ -421,27 +407,64 @@ def _run(url: str, prompts: list[list[int]], options: EngineEvalOptions) -> Serv
     )
 
 
-def _launch(argv: list[str], port: int, log: Path, options: EngineEvalOptions) -> Any:
-    return sglang_process(
-        argv,
-        url=f"http://127.0.0.1:{port}",
-        log=log,
-        python=options.sglang_python,
-        env={"SGLANG_PLUGINS": "none"},  # the capture plugin, where installed, stays out of a serving measurement
-    )
+def _measure_running(
+    options: EngineEvalOptions, prompt_sets: dict[str, list[list[int]]]
+) -> tuple[list[EngineResult], list[SpeculativeConfig]]:
+    """`--url` (and `--plain-url`): servers someone else launched."""
+    assert options.url is not None
+    plain = {f: _run(options.plain_url, p, options) for f, p in prompt_sets.items()} if options.plain_url else None
+    try:
+        served = SpeculativeConfig.from_server_info(server_info(options.url))
+    except KeyError:  # a server that does not report its setting: the one given
+        served = options.settings[0]
+    runs = {f: _run(options.url, p, options) for f, p in prompt_sets.items()}
+    return _rows("served", served, runs, plain), [served]
 
 
-def _plain_runs(
-    target: Path, prompt_sets: dict[str, list[list[int]]], options: EngineEvalOptions, work: Path
-) -> dict[str, ServerRun] | None:
-    if options.plain_url is not None:
-        return {f: _run(options.plain_url, p, options) for f, p in prompt_sets.items()}
-    if options.url is not None:
-        return None  # a served drafter and no plain server to compare with
-    port = free_port()
-    argv = stock_argv(target, port=port, extra_args=serving_args(options, None))
-    with _launch(argv, port, work / "sglang-plain.log", options) as url:
-        return {f: _run(url, p, options) for f, p in prompt_sets.items()}
+def _measure_launched(
+    target: Path,
+    drafters: dict[str, Eagle3Drafter],
+    prompt_sets: dict[str, list[list[int]]],
+    options: EngineEvalOptions,
+    work: Path,
+) -> list[EngineResult]:
+    """The plain server and one per drafter and setting, launched here: together (their starts overlap; each is
+    measured alone, the others idle) or one after another. What was measured is written after every server."""
+    plain_port = free_port()
+    servers: list[tuple[str | None, SpeculativeConfig | None, ServerLaunch]] = [
+        (None, None, _launch(target, plain_port, serving_args(options, None), work / "sglang-plain.log"))
+    ]
+    for name, drafter in drafters.items():
+        export_dir = export_sglang(drafter, work / f"drafter-{name}")
+        for setting in options.settings:
+            log = work / name / f"sglang-{setting.label.replace(',', '-')}.log"
+            args = serving_args(options, setting, export_dir)
+            servers.append((name, setting, _launch(target, free_port(), args, log)))
+    if options.launch == "together":
+        share_gpu_memory([launch for _, _, launch in servers], options)
+    plain: dict[str, ServerRun] = {}
+    results: list[EngineResult] = []
+
+    def measure(drafter: str | None, setting: SpeculativeConfig | None, url: str) -> None:
+        nonlocal plain
+        logger.info("measuring %s at %s", f"{drafter} drafter, setting {setting.label}" if setting else "plain", url)
+        runs = {f: _run(url, p, options) for f, p in prompt_sets.items()}
+        if drafter is None or setting is None:
+            plain = runs
+            return
+        results.extend(_rows(drafter, setting, runs, plain))
+        # Minutes of GPU per server: what was measured survives whatever comes next.
+        (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
+
+    if options.launch == "together":
+        with sglang_processes([launch for _, _, launch in servers], python=options.sglang_python) as urls:
+            for (drafter, setting, _), url in zip(servers, urls, strict=True):
+                measure(drafter, setting, url)
+    else:
+        for drafter, setting, launch in servers:
+            with sglang_processes([launch], python=options.sglang_python) as (url,):
+                measure(drafter, setting, url)
+    return results
 
 
 def serving_args(
@@ -454,20 +477,19 @@ def serving_args(
     return [*speculative, *graphs, *options.sglang_args]
 
 
-def _speculative_runs(
-    target: Path,
-    export_dir: Path,
-    setting: SpeculativeConfig,
-    prompt_sets: dict[str, list[list[int]]],
-    options: EngineEvalOptions,
-    work: Path,
-) -> dict[str, ServerRun]:
-    port = free_port()
-    argv = stock_argv(target, port=port, extra_args=serving_args(options, setting, export_dir))
-    log = work / f"sglang-{setting.label.replace(',', '-')}.log"
-    logger.info("serving %s with SGLang EAGLE-3, setting %s (log %s)", export_dir, setting.label, log)
-    with _launch(argv, port, log, options) as url:
-        return {f: _run(url, p, options) for f, p in prompt_sets.items()}
+def _launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch:
+    # SGLANG_PLUGINS=none: the capture plugin, where installed, stays out of a serving measurement.
+    argv = stock_argv(target, port=port, extra_args=args)
+    return ServerLaunch(argv, f"http://127.0.0.1:{port}", log, {"SGLANG_PLUGINS": "none"})
+
+
+def share_gpu_memory(launches: list[ServerLaunch], options: EngineEvalOptions) -> None:
+    """Servers on one GPU together each take a share of its memory, unless the user set one."""
+    if "--mem-fraction-static" in options.sglang_args:
+        return
+    share = f"{TOGETHER_MEMORY / len(launches):.3f}"
+    for launch in launches:
+        launch.argv.extend(["--mem-fraction-static", share])
 
 
 def _rows(
@@ -632,6 +654,13 @@ def add_engine_arguments(eval_parser: argparse.ArgumentParser) -> None:
         help="skip the project's own measured acceptance beside SGLang's",
     )
     group.add_argument("--work-dir", type=Path, help="keep the exports and server logs here (default: temporary)")
+    group.add_argument(
+        "--launch",
+        choices=["together", "sequential"],
+        default="together",
+        help="together (default): every server starts at once, sharing the GPU's memory, and each is measured "
+        "while the others idle; sequential: one server on the GPU at a time",
+    )
     eval_parser.set_defaults(func=cmd_eval)
 
 
@@ -666,6 +695,7 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
         sglang_python=args.sglang_python,
         sglang_args=shlex.split(args.sglang_args),
         work_dir=args.work_dir,
+        launch=args.launch,
     )
     report = evaluate_on_engine(
         args.checkpoint,

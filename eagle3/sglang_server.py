@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -50,6 +51,47 @@ def log_tail(log: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
+@dataclass(frozen=True)
+class ServerLaunch:
+    """How to start one server: `python argv...`, answering at `url`, appending to `log`."""
+
+    argv: list[str]
+    url: str
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def start(launch: ServerLaunch, *, python: str = sys.executable) -> subprocess.Popen:
+    """The server as its own process group (it is stopped as a group)."""
+    launch.log.parent.mkdir(parents=True, exist_ok=True)
+    with launch.log.open("ab") as out:
+        return subprocess.Popen(
+            [python, *launch.argv],
+            env={**os.environ, **launch.env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@contextmanager
+def sglang_processes(
+    launches: list[ServerLaunch], *, python: str = sys.executable, start_timeout_s: float = START_TIMEOUT_S
+) -> Iterator[list[str]]:
+    """Start every server at once (their minutes of kernel compilation and graph capture overlap), yield their
+    URLs once each answers `/health`, and stop them all afterwards, also on an exception or Ctrl-C."""
+    servers: list[subprocess.Popen] = []
+    try:
+        for launch in launches:
+            servers.append(start(launch, python=python))
+        for launch, server in zip(launches, servers, strict=True):
+            wait_healthy(launch.url, server, launch.log, timeout_s=start_timeout_s)
+        yield [launch.url for launch in launches]
+    finally:
+        for server in servers:
+            stop_process_group(server)
+
+
 @contextmanager
 def sglang_process(
     argv: list[str],
@@ -60,22 +102,11 @@ def sglang_process(
     env: dict[str, str] | None = None,
     start_timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[str]:
-    """Run `python argv...` as its own process group, appending to `log`; yield `url` once its `/health` answers
-    200; stop the whole group afterwards, also on an exception or Ctrl-C."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        server = subprocess.Popen(
-            [python, *argv],
-            env={**os.environ, **(env or {})},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_healthy(url, server, log, timeout_s=start_timeout_s)
-        yield url
-    finally:
-        stop_process_group(server)
+    """One server: `python argv...` as its own process group, yielded as its URL once healthy."""
+    with sglang_processes(
+        [ServerLaunch(argv, url, log, env or {})], python=python, start_timeout_s=start_timeout_s
+    ) as (url_,):
+        yield url_
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path, *, timeout_s: float = START_TIMEOUT_S) -> None:

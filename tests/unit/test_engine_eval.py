@@ -18,6 +18,7 @@ from eagle3.engine_eval import (
     Completion,
     EngineEvalOptions,
     EngineResult,
+    ServerLaunch,
     SpeculativeConfig,
     best_setting,
     engine_acceptance,
@@ -26,6 +27,7 @@ from eagle3.engine_eval import (
     matching_outputs,
     position_acceptance,
     serving_args,
+    share_gpu_memory,
 )
 from eagle3.sglang_server import stock_argv
 from shared.errors import ConfigurationError
@@ -204,3 +206,12 @@ def test_the_command_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pyte
     with pytest.raises(SystemExit):
         cli.main(["eval", "--checkpoint", "x", "--engine", "sglang", "--speculative", "7,1,16"])
     assert "with topk 1 SGLang verifies steps + 1 = 8 tokens" in capsys.readouterr().err
+
+
+def test_servers_launched_together_share_the_gpu_unless_told() -> None:
+    launches = [ServerLaunch(["-m", "sglang.launch_server"], "http://x", Path("log")) for _ in range(3)]
+    share_gpu_memory(launches, EngineEvalOptions(settings=[]))
+    assert all(item.argv[-2:] == ["--mem-fraction-static", "0.283"] for item in launches)
+    mine = [ServerLaunch(["-m", "sglang.launch_server"], "http://x", Path("log"))]
+    share_gpu_memory(mine, EngineEvalOptions(settings=[], sglang_args=["--mem-fraction-static", "0.5"]))
+    assert "--mem-fraction-static" not in mine[0].argv
