@@ -1,17 +1,13 @@
 """Pieces the benchmark scripts share."""
 
 import multiprocessing
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from eagle3.local_stack import free_port
+from eagle3.server_process import server_process
 from shared.schemas import JobRecord, JobSpec, ModelRecord
 
 
@@ -35,35 +31,15 @@ def reference_server(
     (CUDA_VISIBLE_DEVICES to pin it to one GPU)."""
     port = free_port()
     env = {
-        **os.environ,
         "EAGLE3_MODEL_PATH": str(model_dir),
         "EAGLE3_INFERENCE_PORT": str(port),
         "EAGLE3_INFERENCE_DEVICE": device,
         "EAGLE3_SHM_DIR": str(shm_dir),
         **(env or {}),
     }
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "services.inference.reference"], env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"inference server exited; see {log}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"inference server not ready; see {log}")
-            time.sleep(1)
+    argv = ["-m", "services.inference.reference"]
+    with server_process(argv, url=f"http://127.0.0.1:{port}", log=log, env=env) as url:
         yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
 
 
 def in_processes(processes: int, work: Callable[[int], None]) -> float:

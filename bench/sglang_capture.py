@@ -53,7 +53,7 @@ from bench.capture import (
 )
 from bench.capture_model import capture_model
 from eagle3.local_stack import free_port
-from eagle3.sglang_server import sglang_process, stock_argv
+from eagle3.server_process import server_process, stock_argv
 from shared.inference_client import InferenceClient
 
 # What the plugin's launcher also passes (eagle3_sglang_plugin.launch), so that the stock server runs the same
@@ -80,7 +80,7 @@ def sglang_server(
             EAGLE3_SHM_DIR=str(shm_dir),
         )
         argv = ["-m", "eagle3_sglang_plugin.launch", *extra_args]
-    with sglang_process(argv, url=f"http://127.0.0.1:{port}", log=log, env=environ) as url:
+    with server_process(argv, url=f"http://127.0.0.1:{port}", log=log, env=environ) as url:
         yield url
 
 

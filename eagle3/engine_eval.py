@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import free_port
-from eagle3.sglang_server import ServerLaunch, sglang_processes, stock_argv
+from eagle3.server_process import ServerLaunch, server_processes, stock_argv
 from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
 from services.trainer.drafter import Eagle3Drafter
 from services.trainer.evaluate import load_target, prompts_from_file, untrained_drafter
@@ -457,12 +457,12 @@ def _measure_launched(
         (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
 
     if options.launch == "together":
-        with sglang_processes([launch for _, _, launch in servers], python=options.sglang_python) as urls:
+        with server_processes([launch for _, _, launch in servers], python=options.sglang_python) as urls:
             for (drafter, setting, _), url in zip(servers, urls, strict=True):
                 measure(drafter, setting, url)
     else:
         for drafter, setting, launch in servers:
-            with sglang_processes([launch], python=options.sglang_python) as (url,):
+            with server_processes([launch], python=options.sglang_python) as (url,):
                 measure(drafter, setting, url)
     return results
 

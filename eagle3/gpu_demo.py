@@ -25,15 +25,20 @@ from eagle3.demo import apply_defaults, extraction_report, regenerate_demo_data
 from eagle3.engine_eval import (
     EngineEvalOptions,
     SpeculativeConfig,
+    decode_all,
     engine_table,
     evaluate_on_engine,
     speculative_setting,
 )
 from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
 from eagle3.local_stack import LocalStack, free_port
+from shared import layout
+from shared.datasets import Conversation, iter_dataset_file
 from shared.errors import ConfigurationError, Eagle3Error
 from shared.model_assets import resolve_model_path
 from shared.settings import Settings
+from shared.storage import open_storage
+from shared.tokenization import ChatTokenizer
 
 SGLANG_START_TIMEOUT_S = 900.0  # kernels compile and CUDA graphs are captured at first start
 # Sized for one H200 and a small target: shards of seconds, not milliseconds, of the server's work (docs/benchmarks.md).
@@ -113,6 +118,17 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
                 job = check(api.get(f"/v1/jobs/{job_id}"))["job"]
                 p = watch(job_id, api, alive=stack)
                 extract_seconds = time.monotonic() - extract_started
+            if p.state == "completed":
+                console.print("      SGLang's own decoding and prefill of the same work, driven directly")
+                report["sglang_baseline"] = sglang_baselines(
+                    stack.env["EAGLE3_INFERENCE_URL"],
+                    read_regenerated(settings, report["regeneration"]["job_id"], demo_dir),
+                    model,
+                    decode_concurrency=args.workers * args.regenerate_concurrency,
+                    prefill_concurrency=args.workers * args.inference_concurrency,
+                    max_new_tokens=args.regenerate_max_new_tokens,
+                    max_length=args.max_length,
+                )
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Eagle3Error as exc:
@@ -156,6 +172,55 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
 def write_report(path: Path, report: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def read_regenerated(settings: Settings, regenerate_job_id: str, demo_dir: Path) -> list[Conversation]:
+    """The regenerate job's assembled output, the conversations the extraction job read."""
+    storage = open_storage(settings.storage_url, settings)
+    path = demo_dir / "regenerated.jsonl"
+    path.write_bytes(storage.get(layout.regenerated_dataset(regenerate_job_id)))
+    return [record for record in iter_dataset_file(path) if isinstance(record, Conversation)]
+
+
+def sglang_baselines(
+    url: str,
+    conversations: list[Conversation],
+    model: Path,
+    *,
+    decode_concurrency: int,
+    prefill_concurrency: int,
+    max_new_tokens: int,
+    max_length: int,
+) -> dict[str, Any]:
+    """SGLang's own rates on the demo's work, on the same server with no queue, worker or storage in between:
+    greedy decoding of the regenerated turns' prompts at the regeneration's concurrency (a sample of twice that
+    many turns, longest prompts first, as the workers order them), and the prefill (one new token) of every
+    extracted conversation at the extraction's concurrency. The stages' rates over these are the stack's cost."""
+    chat = ChatTokenizer.from_pretrained(model)
+    turns = [
+        chat.generation_prompt(conv, conv.messages[:index])
+        for conv in conversations
+        for index, message in enumerate(conv.messages)
+        if message.role == "assistant"
+    ]
+    turns = sorted(turns[: 2 * decode_concurrency], key=len, reverse=True)
+    completions, decode_s = decode_all(url, turns, max_new_tokens=max_new_tokens, concurrency=decode_concurrency)
+    generated = sum(len(c.output_ids) for c in completions)
+    sequences = [
+        chat.tokenize(conv, max_length=max_length, length_policy="truncate").input_ids for conv in conversations
+    ]
+    _, prefill_s = decode_all(url, sequences, max_new_tokens=1, concurrency=prefill_concurrency)
+    prompt_tokens = sum(len(sequence) for sequence in sequences)
+    return {
+        "decode_turns": len(turns),
+        "decode_concurrency": decode_concurrency,
+        "decode_generated_tokens": generated,
+        "decode_tokens_per_second": round(generated / decode_s, 1),
+        "prefill_conversations": len(sequences),
+        "prefill_concurrency": prefill_concurrency,
+        "prefill_tokens": prompt_tokens,
+        "prefill_tokens_per_second": round(prompt_tokens / prefill_s, 1),
+    }
 
 
 def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[Path]]:
@@ -209,12 +274,20 @@ def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, 
 
 def stage_summary(report: dict[str, Any]) -> str:
     regeneration, extraction, training = report["regeneration"], report["extraction"], report["training"]
+    baseline = report.get("sglang_baseline") or {}
+
+    def against(rate: float, key: str, what: str) -> str:
+        own = baseline.get(key)
+        return f"  {rate / own:.2f}x SGLang's own {what} ({own:,.0f} tok/s)" if own else ""
+
     lines = [
         f"stack start       {report['stack_start_seconds']:>8.1f} s",
         f"regeneration      {regeneration['wall_seconds']:>8.1f} s  {regeneration['generated_tokens']:>10,} tokens  "
-        f"{regeneration['generated_tokens_per_second']:>10,.0f} tok/s generated",
+        f"{regeneration['generated_tokens_per_second']:>10,.0f} tok/s generated"
+        + against(regeneration["generated_tokens_per_second"], "decode_tokens_per_second", "decoding"),
         f"extraction        {extraction['wall_seconds']:>8.1f} s  {extraction['tokens_committed']:>10,} tokens  "
-        f"{extraction['tokens_per_second']:>10,.0f} tok/s captured and committed",
+        f"{extraction['tokens_per_second']:>10,.0f} tok/s captured and committed"
+        + against(extraction["tokens_per_second"], "prefill_tokens_per_second", "prefill"),
         f"training          {training['wall_seconds']:>8.1f} s  {training['train_tokens']:>10,} tokens  "
         f"{training['tokens_per_second']:>10,.0f} tok/s ({training['steps']} steps)",
         f"engine evaluation {report['engine_eval_seconds']:>8.1f} s",

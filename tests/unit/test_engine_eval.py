@@ -29,7 +29,7 @@ from eagle3.engine_eval import (
     serving_args,
     share_gpu_memory,
 )
-from eagle3.sglang_server import stock_argv
+from eagle3.server_process import stock_argv
 from shared.errors import ConfigurationError
 
 ROOT = Path(__file__).resolve().parents[2]

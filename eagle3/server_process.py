@@ -1,9 +1,8 @@
-"""SGLang as a child process: launched from a Python that has it, healthy before it is used, and stopped with
-every process it started (its scheduler and detokenizer are children in its process group).
-
-Used by `eagle3 eval --engine sglang` (a stock server per drafter and speculative setting), the GPU demo (the
-capture plugin's launcher) and the SGLang benchmarks. A server that dies or never becomes healthy raises with the
-end of its log, so the reason (an unknown flag, out of memory, a bad draft model folder) is on the screen.
+"""Inference servers as child processes: SGLang (`eagle3 eval --engine sglang`, the GPU demo, the SGLang
+benchmarks) or the reference server (the benchmarks). Each is launched as its own process group, is healthy before
+it is used, and is stopped with every process it started (SGLang's scheduler and detokenizer are its children).
+A server that dies or never becomes healthy raises with the end of its log, so the reason (an unknown flag, out of
+memory, a bad draft model folder) is on the screen.
 """
 
 import os
@@ -25,8 +24,8 @@ START_TIMEOUT_S = 900.0
 LOG_TAIL_LINES = 25
 
 
-class SGLangServerError(Eagle3Error):
-    """An SGLang server this process launched exited or did not become healthy."""
+class ServerProcessError(Eagle3Error):
+    """A server this process launched exited or did not become healthy."""
 
 
 def stock_argv(model_dir: Path | str, *, port: int, extra_args: list[str] | None = None) -> list[str]:
@@ -75,7 +74,7 @@ def start(launch: ServerLaunch, *, python: str = sys.executable) -> subprocess.P
 
 
 @contextmanager
-def sglang_processes(
+def server_processes(
     launches: list[ServerLaunch], *, python: str = sys.executable, start_timeout_s: float = START_TIMEOUT_S
 ) -> Iterator[list[str]]:
     """Start every server at once (their minutes of kernel compilation and graph capture overlap), yield their
@@ -93,7 +92,7 @@ def sglang_processes(
 
 
 @contextmanager
-def sglang_process(
+def server_process(
     argv: list[str],
     *,
     url: str,
@@ -103,7 +102,7 @@ def sglang_process(
     start_timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[str]:
     """One server: `python argv...` as its own process group, yielded as its URL once healthy."""
-    with sglang_processes(
+    with server_processes(
         [ServerLaunch(argv, url, log, env or {})], python=python, start_timeout_s=start_timeout_s
     ) as (url_,):
         yield url_
@@ -113,8 +112,8 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, *, timeout_s: fl
     deadline = time.monotonic() + timeout_s
     while True:
         if server.poll() is not None:
-            raise SGLangServerError(
-                f"SGLang exited with code {server.returncode} before it was healthy; {log} ends:\n{log_tail(log)}"
+            raise ServerProcessError(
+                f"{log.stem} exited with code {server.returncode} before it was healthy; {log} ends:\n{log_tail(log)}"
             )
         try:
             if httpx.get(f"{url}/health", timeout=5).status_code == 200:
@@ -122,7 +121,7 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, *, timeout_s: fl
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise SGLangServerError(f"SGLang not healthy after {timeout_s:.0f} s; {log} ends:\n{log_tail(log)}")
+            raise ServerProcessError(f"{log.stem} not healthy after {timeout_s:.0f} s; {log} ends:\n{log_tail(log)}")
         time.sleep(1)
 
 

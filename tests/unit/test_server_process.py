@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from eagle3.local_stack import free_port
-from eagle3.sglang_server import ServerLaunch, SGLangServerError, sglang_processes
+from eagle3.server_process import ServerLaunch, ServerProcessError, server_processes
 
 # A server that answers /health after a moment, with a child process of its own (as SGLang's scheduler is).
 SERVER = """
@@ -40,7 +40,7 @@ def alive(pid: int) -> bool:
 
 def test_servers_start_together_and_stop_with_their_children(tmp_path: Path) -> None:
     launches = [launch(tmp_path, "a"), launch(tmp_path, "b")]
-    with sglang_processes(launches, python=sys.executable, start_timeout_s=60) as urls:
+    with server_processes(launches, python=sys.executable, start_timeout_s=60) as urls:
         assert urls == [item.url for item in launches]
         assert all(httpx.get(f"{url}/health").status_code == 200 for url in urls)
         children = [int(item.log.read_text().split()[1]) for item in launches]
@@ -51,8 +51,8 @@ def test_servers_start_together_and_stop_with_their_children(tmp_path: Path) -> 
 def test_a_server_that_dies_is_named_with_its_log_and_the_others_are_stopped(tmp_path: Path) -> None:
     healthy, dying = launch(tmp_path, "healthy"), launch(tmp_path, "dying", "import sys; sys.exit('no GPU here')")
     with (
-        pytest.raises(SGLangServerError, match=r"(?s)exited with code 1.*no GPU here"),
-        sglang_processes([healthy, dying], python=sys.executable, start_timeout_s=60),
+        pytest.raises(ServerProcessError, match=r"(?s)exited with code 1.*no GPU here"),
+        server_processes([healthy, dying], python=sys.executable, start_timeout_s=60),
     ):
         pass
     with pytest.raises(httpx.HTTPError):
