@@ -65,6 +65,8 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
+    if args.dataset and not args.eval_prompts_file:
+        raise SystemExit("--dataset needs --eval-prompts-file: prompt sets that training never saw")
     exit_on_sigterm()
     started = time.monotonic()
     demo_dir = settings.home / "demo-gpu"
@@ -226,8 +228,6 @@ def sglang_baselines(
 def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[Path]]:
     """The training prompts and the held-out evaluation sets: given, or the mix built from installed packages."""
     if args.dataset:
-        if not args.eval_prompts_file:
-            raise SystemExit("--dataset needs --eval-prompts-file: prompt sets that training never saw")
         return Path(args.dataset).resolve(), [Path(f).resolve() for f in args.eval_prompts_file]
     from shared.prompt_mix import build_prompt_mix
 

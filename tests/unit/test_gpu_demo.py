@@ -1,0 +1,45 @@
+"""`eagle3 demo --gpu` without a GPU: its sizes apply only with --gpu, and its report sets every stage against
+SGLang's own rate on the same work. The run itself is on the lent H200 (docs/benchmarks.md)."""
+
+import pytest
+
+from eagle3 import cli
+from eagle3.demo import CPU_DEFAULTS, apply_defaults
+from eagle3.gpu_demo import GPU_DEFAULTS, stage_summary
+
+
+def parsed(*argv: str):
+    return cli.build_parser().parse_args(["demo", *argv])
+
+
+def test_gpu_sizes_apply_only_with_gpu_and_flags_win() -> None:
+    cpu, gpu = parsed(), parsed("--gpu", "--workers", "8")
+    apply_defaults(cpu, CPU_DEFAULTS)
+    apply_defaults(gpu, GPU_DEFAULTS)
+    assert (cpu.workers, cpu.shard_token_budget, cpu.draft_vocab_size) == (2, 2048, 2048)
+    assert (gpu.workers, gpu.shard_token_budget, gpu.draft_vocab_size) == (8, 65536, 16384)
+    assert set(CPU_DEFAULTS) <= set(GPU_DEFAULTS)  # every size the CPU demo fixes, the GPU demo sizes too
+
+
+def test_the_report_sets_each_stage_against_sglangs_own_rate() -> None:
+    report = {
+        "stack_start_seconds": 126.6,
+        "regeneration": {"wall_seconds": 201.5, "generated_tokens": 1816577, "generated_tokens_per_second": 9017.1},
+        "extraction": {"wall_seconds": 12.1, "tokens_committed": 2344378, "tokens_per_second": 193054.0},
+        "training": {"wall_seconds": 182.6, "train_tokens": 16570242, "tokens_per_second": 91979.7, "steps": 567},
+        "engine_eval_seconds": 300.0,
+        "demo_wall_seconds": 900.0,
+        "sglang_baseline": {"decode_tokens_per_second": 10019.0, "prefill_tokens_per_second": 386108.0},
+    }
+    lines = stage_summary(report).splitlines()
+    regeneration = next(line for line in lines if line.startswith("regeneration"))
+    extraction = next(line for line in lines if line.startswith("extraction"))
+    assert "0.90x SGLang's own decoding (10,019 tok/s)" in regeneration
+    assert "0.50x SGLang's own prefill (386,108 tok/s)" in extraction
+    del report["sglang_baseline"]
+    assert "SGLang's own" not in stage_summary(report)
+
+
+def test_a_dataset_without_held_out_prompts_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--dataset needs --eval-prompts-file"):
+        cli.main(["demo", "--gpu", "--dataset", "train.jsonl"])
