@@ -33,24 +33,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import free_port
 from eagle3.server_process import ServerLaunch, server_processes, stock_argv
-from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
-from services.trainer.drafter import Eagle3Drafter
-from services.trainer.evaluate import load_target, prompts_from_file, untrained_drafter
-from services.trainer.export import export_sglang
-from services.trainer.speculative import measure_acceptance
 from shared.errors import ConfigurationError, Eagle3Error
 from shared.settings import Settings
-from shared.storage import open_storage
-from shared.tokenization import ChatTokenizer
+
+if TYPE_CHECKING:  # the trainer's modules bring torch and transformers: imported where they run, not by the CLI
+    from services.trainer.drafter import Eagle3Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +343,11 @@ class EngineEvalOptions:
 def evaluate_on_engine(
     ref: str, files: list[Path], *, settings: Settings, model_path: str | None, options: EngineEvalOptions
 ) -> dict[str, Any]:
+    from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
+    from services.trainer.evaluate import prompts_from_file, untrained_drafter
+    from shared.storage import open_storage
+    from shared.tokenization import ChatTokenizer
+
     storage = open_storage(settings.storage_url, settings)
     checkpoint = load_checkpoint(ref, storage)
     target = Path(model_path or checkpoint.model_path)
@@ -423,13 +423,15 @@ def _measure_running(
 
 def _measure_launched(
     target: Path,
-    drafters: dict[str, Eagle3Drafter],
+    drafters: dict[str, "Eagle3Drafter"],
     prompt_sets: dict[str, list[list[int]]],
     options: EngineEvalOptions,
     work: Path,
 ) -> list[EngineResult]:
     """The plain server and one per drafter and setting, launched here: together (their starts overlap; each is
     measured alone, the others idle) or one after another. What was measured is written after every server."""
+    from services.trainer.export import export_sglang
+
     plain_port = free_port()
     servers: list[tuple[str | None, SpeculativeConfig | None, ServerLaunch]] = [
         (None, None, _launch(target, plain_port, serving_args(options, None), work / "sglang-plain.log"))
@@ -516,7 +518,7 @@ def _rows(
 
 def _compare_with_own(
     results: list[EngineResult],
-    drafters: dict[str, Eagle3Drafter],
+    drafters: dict[str, "Eagle3Drafter"],
     prompt_sets: dict[str, list[list[int]]],
     target: Path,
     settings: list[SpeculativeConfig],
@@ -526,6 +528,11 @@ def _compare_with_own(
     chains = sorted({s.steps for s in settings if s.chain})
     if not chains:
         return
+    import torch
+
+    from services.trainer.evaluate import load_target
+    from services.trainer.speculative import measure_acceptance
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target_model = load_target(target).to(device)
     for name, drafter in drafters.items():

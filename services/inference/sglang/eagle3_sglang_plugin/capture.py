@@ -19,6 +19,7 @@ to the HTTP process as `Req.customized_info[CAPTURE_META_KEY]`, which SGLang cop
 """
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -154,7 +155,11 @@ class CaptureWriter:
         except Exception as exc:
             logger.error("capture rid=%s: writing %s failed: %s", rid, ticket.file_name, exc)
             reason = f"rid {rid}: writing the capture failed: {exc}"
-            (self.shm_dir / error_file_name(ticket.file_name)).write_text(reason)
+            # Whole or not at all, like the capture file: the HTTP process reads it as soon as it exists.
+            error_path = self.shm_dir / error_file_name(ticket.file_name)
+            partial = error_path.with_name(f".{error_path.name}.partial")
+            partial.write_text(reason)
+            os.replace(partial, error_path)
 
 
 def capture_request(
