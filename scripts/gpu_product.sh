@@ -2,6 +2,18 @@
 # The product on a lent GPU machine with no network, after SGLang was staged and installed there by
 # ../shared/tools/sglang-h200/sglang_device.sh (stage ... install smollm2). Run from the repository root there:
 #   bash scripts/gpu_product.sh STEP [STEP...]
+#
+# The whole run, as five carries and three commands of about 20 device-minutes (2026-12-03; each carry under the
+# 64 MiB a command may send, the folders made here first by make_sglang_carry.sh flashmla model stack, and by
+# `eagle3 prompts --out .gpu_data --train 4000 --eval 24` plus the wheels in .gpu_wheels):
+#   1 carry .sgl_b1 .sgl_fm             bash .sgl_b1/sglang_device.sh stage preflight
+#   2 carry .sgl_b2 .gpu_data .gpu_wheels   bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
+#   3 carry .sgl_m1                     bash /tmp/sglang_device.sh stage
+#   4 carry .sgl_s                      bash /tmp/sglang_device.sh stage
+#   5 carry .sgl_m2                     bash /tmp/sglang_device.sh stage install smollm2;
+#                                       GPU_WAIT_S=420 bash scripts/gpu_product.sh deps demo wait
+#   6 (nothing)                         GPU_WAIT_S=540 bash scripts/gpu_product.sh wait    (again until it ends)
+# The machine is given back 30 s after a command ends: make the calls back to back, and fix nothing in between.
 # Steps:
 #   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp (a later command that does not carry them
 #               finds them there)
