@@ -10,8 +10,9 @@ user serves it, next to a plain server of the same target. For every prompt of e
   flight (the file's prompts repeated to at least twice that many requests), medians of `--repeats` runs; their
   ratio is the speedup;
 - how many outputs are token for token what the plain server decodes greedily;
-- beside it, the project's own measured acceptance (services/trainer/speculative.py) on the same prompts, for a
-  chain setting (topk 1): where the two differ by more than 10% the report says so with both numbers.
+- beside it, the project's own measured acceptance (services/trainer/speculative.py) on the same prompts, at the
+  first setting when it is a chain (topk 1): where the two differ by more than 10% the report says so with both
+  numbers.
 
 Speculative settings (`steps,topk,draft_tokens`, SGLang's `--speculative-num-steps`, `--speculative-eagle-topk`,
 `--speculative-num-draft-tokens`) can be several: each is served in turn and the table says which served best.
@@ -369,7 +370,7 @@ def evaluate_on_engine(
             results, tested = _measure_launched(target, drafters, prompt_sets, options, work), options.settings
         if options.compare_own:
             try:
-                _compare_with_own(results, drafters, prompt_sets, target, tested, options.max_new_tokens)
+                _compare_with_own(results, drafters, prompt_sets, target, tested[:1], options.max_new_tokens)
             except Exception as exc:  # SGLang's numbers stand without ours; say why ours are missing
                 logger.exception("the project's own acceptance could not be measured")
                 for result in results:
@@ -525,7 +526,8 @@ def _compare_with_own(
     settings: list[SpeculativeConfig],
     max_new_tokens: int,
 ) -> None:
-    """The project's own speculative decoding of the same prompts, once per drafter, file and chain length."""
+    """The project's own speculative decoding of the same prompts, once per drafter and file, at the headline
+    setting when it is a chain (a Python loop of one prompt at a time: minutes on a GPU, so not for a whole sweep)."""
     chains = sorted({s.steps for s in settings if s.chain})
     if not chains:
         return
