@@ -129,6 +129,7 @@ EXTRACTION_OPTIONS = (
     "length_policy",
     "draft_vocab_size",
     "shard_token_budget",
+    "shard_seconds",
     "storage_dtype",
 )
 REGENERATION_OPTIONS = (

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import shared
-from shared import access, layout, progress, recovery
+from shared import access, layout, progress, recovery, shard_metrics
 from shared.datasets import InvalidRecord, read_dataset
 from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
 from shared.kinds import kind_of
@@ -28,6 +28,9 @@ from shared.storage import ObjectNotFound, Storage, open_storage
 from shared.tokenization import ChatTokenizer
 
 logger = logging.getLogger(__name__)
+
+# A sized shard stays between a small file's worth and what one retry can afford to repeat.
+MIN_SIZED_SHARD_TOKENS, MAX_SIZED_SHARD_TOKENS = 2048, 1_048_576
 
 Enqueue = recovery.Enqueue
 
@@ -90,6 +93,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
     if storage.exists(layout.job_json(job_id)):
         raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
     kind.check_spec(spec, settings)
+    spec = sized_shards(spec, client)
     try:
         tokenizer = ChatTokenizer.from_pretrained(model_path)
     except ConfigurationError as exc:
@@ -155,6 +159,23 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
         time.monotonic() - started,
     )
     return job
+
+
+def sized_shards(spec: JobSpec, client: redis.Redis) -> JobSpec:
+    """An extraction job with `shard_seconds`: its shard token budget is that many seconds of one worker's measured
+    rate (the cluster's last extraction shards), so that a shard is seconds of a GPU's work and not milliseconds;
+    before any shard was measured, the budget given. The budget used is the one recorded in job.json."""
+    if spec.shard_seconds is None or spec.kind != "extract":
+        return spec  # a regenerate job passes shard_seconds on to its chained extraction job
+    rate = shard_metrics.recent_rate(client, "extract")
+    if rate is None:
+        logger.warning("shard_seconds=%s: no extraction shard measured yet; %d tokens a shard", spec.shard_seconds,
+                       spec.shard_token_budget)  # fmt: skip
+        return spec
+    budget = round(min(max(rate * spec.shard_seconds, MIN_SIZED_SHARD_TOKENS), MAX_SIZED_SHARD_TOKENS))
+    logger.info("shard_seconds=%s at a measured %.0f tokens/s per worker: %d tokens a shard", spec.shard_seconds, rate,
+                budget)  # fmt: skip
+    return spec.model_copy(update={"shard_token_budget": budget})
 
 
 def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:

@@ -32,6 +32,12 @@ class JobSpec(BaseModel):
     length_policy: LengthPolicy = Field(default="truncate", description="a longer sample is truncated or rejected")
     draft_vocab_size: int = Field(default=32000, ge=1, description="the drafter's vocabulary: the most frequent tokens")
     shard_token_budget: int = Field(default=16384, ge=1, description="prompt tokens per shard (one Celery task)")
+    shard_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="size shards to this many seconds of one worker's measured rate (its last extraction shards); "
+        "shard_token_budget until a shard was measured",
+    )
     aux_layer_ids: list[int] | None = Field(default=None, min_length=3, max_length=3)
     storage_dtype: StorageDtype = Field(
         default="bfloat16",

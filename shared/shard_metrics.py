@@ -15,6 +15,11 @@ from pydantic import BaseModel
 LATENCY_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, math.inf)
 _SHARDS = "eagle3:metrics:shards"  # hash: "{task}|{field}" -> count or sum
 _FAILURES = "eagle3:metrics:failures"  # hash: "{task}|{outcome}|{reason}" -> count
+RECENT_SHARDS = 32  # shards whose rate says what the cluster's servers do now (a job's `shard_seconds`)
+
+
+def _recent(task: str) -> str:
+    return f"eagle3:metrics:recent:{task}"  # list, newest first: "{tokens} {seconds}" of the last shards
 
 
 class ShardHistogram(BaseModel):
@@ -45,7 +50,19 @@ def record_shard(client: redis.Redis, *, task: str, seconds: float, bytes_writte
         pipe.hincrby(_SHARDS, f"{task}|count", 1)
         pipe.hincrby(_SHARDS, f"{task}|bytes", bytes_written)
         pipe.hincrby(_SHARDS, f"{task}|tokens", tokens)
+        pipe.lpush(_recent(task), f"{tokens} {seconds}")
+        pipe.ltrim(_recent(task), 0, RECENT_SHARDS - 1)
         pipe.execute()
+
+
+def recent_rate(client: redis.Redis, task: str) -> float | None:
+    """Tokens per second of one shard task (one worker and its server) over the last shards of that kind, any
+    worker's; None before the first."""
+    tokens = seconds = 0.0
+    for entry in client.lrange(_recent(task), 0, -1):
+        shard_tokens, shard_seconds = entry.decode().split()
+        tokens, seconds = tokens + float(shard_tokens), seconds + float(shard_seconds)
+    return tokens / seconds if seconds > 0 else None
 
 
 def record_failure(client: redis.Redis, *, task: str, outcome: str, reason: str) -> None:

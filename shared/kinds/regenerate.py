@@ -405,6 +405,7 @@ def chained_spec(job: JobRecord, storage: Storage) -> JobSpec:
         length_policy=job.spec.length_policy,
         draft_vocab_size=job.spec.draft_vocab_size,
         shard_token_budget=job.spec.shard_token_budget,
+        shard_seconds=job.spec.shard_seconds,
         aux_layer_ids=job.aux_layer_ids,
         storage_dtype=job.spec.storage_dtype,
     )
