@@ -476,9 +476,8 @@ def serving_args(
 ) -> list[str]:
     """Launch arguments after the model and address: the speculative setting, then what the user adds."""
     speculative = setting.launch_args(draft_dir) if setting is not None and draft_dir is not None else []
-    # Decode CUDA graphs for every batch size up to the requests in flight, and no larger ones: a shorter start.
-    graphs = ["--cuda-graph-max-bs-decode", str(options.concurrency)]
-    return [*speculative, *graphs, *options.sglang_args]
+    # CUDA graphs as SGLang sizes them by default (up to well above --concurrency on a large GPU), as users serve.
+    return [*speculative, *options.sglang_args]
 
 
 def _launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch:

@@ -67,7 +67,6 @@ def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Pat
     assert values["speculative_draft_model_path"] == str(tmp_path / "draft")
     assert (values["speculative_num_steps"], values["speculative_eagle_topk"]) == (config.steps, config.topk)
     assert values["speculative_num_draft_tokens"] == config.draft_tokens
-    assert values["cuda_graph_max_bs_decode"] == 16
     assert not values["disable_cuda_graph"]  # served as users serve it
     assert values["attention_backend"] == "triton" and values["disable_radix_cache"]
 
@@ -77,12 +76,12 @@ def test_the_plain_launch_parses_without_speculation(tmp_path: Path) -> None:
     parsed = sglang_parse(stock_argv(tmp_path, port=30001, extra_args=serving_args(options, None))[2:])
     assert parsed.returncode == 0, parsed.stderr[-2000:]
     values = json.loads(parsed.stdout)
-    assert values["speculative_algorithm"] is None and values["cuda_graph_max_bs_decode"] == 8
+    assert values["speculative_algorithm"] is None and not values["disable_cuda_graph"]
 
 
 def test_sglangs_parser_really_checks(tmp_path: Path) -> None:
     """The check above can fail: a flag SGLang 0.5.23 does not know, or an ambiguous prefix of two it does
-    (`--cuda-graph-max-bs`, which our first version passed), is refused."""
+    (`--cuda-graph-max-bs`, which a first version of the evaluation passed), is refused."""
     for wrong in (["--speculative-num-stepz", "5"], ["--cuda-graph-max-bs", "16"]):
         parsed = sglang_parse(["--model-path", str(tmp_path), *wrong])
         assert parsed.returncode == 2 and wrong[0] in parsed.stderr
