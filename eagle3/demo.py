@@ -70,13 +70,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     try:
         console.print(f"[bold]2/{steps}[/] starting the stack ({args.workers} workers; logs in {demo_dir / 'logs'})")
         with LocalStack(settings, workers=args.workers, log_dir=demo_dir / "logs", pick_free_ports=True) as stack:
-            extraction = {
-                "dataset_url": str(dataset),
-                "model_path": str(model),
-                "max_length": args.max_length,
-                "shard_token_budget": args.shard_token_budget,
-                "draft_vocab_size": args.draft_vocab_size,
-            }
+            extraction = extraction_spec(args, dataset, model)
             with stack.api_client() as api:
                 if regenerate:
                     console.print(
@@ -121,6 +115,17 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     report_path.parent.mkdir(parents=True, exist_ok=True)
     report_path.write_text(json.dumps(report, indent=2) + "\n")
     console.print(f"report written to {report_path}")
+
+
+def extraction_spec(args: argparse.Namespace, dataset: Path, model: Path) -> dict[str, Any]:
+    """The extraction job of a demo, as the API takes it (also the chained job of its regeneration)."""
+    return {
+        "dataset_url": str(dataset),
+        "model_path": str(model),
+        "max_length": args.max_length,
+        "shard_token_budget": args.shard_token_budget,
+        "draft_vocab_size": args.draft_vocab_size,
+    }
 
 
 def regenerate_demo_data(

@@ -21,7 +21,7 @@ from typing import Any
 
 from eagle3 import demo
 from eagle3.api import check
-from eagle3.demo import apply_defaults, extraction_report, regenerate_demo_data
+from eagle3.demo import apply_defaults, extraction_report, extraction_spec, regenerate_demo_data
 from eagle3.engine_eval import (
     EngineEvalOptions,
     SpeculativeConfig,
@@ -93,13 +93,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
     console.print(f"[bold]1/5[/] model {model}\n      prompts {dataset}, held out: {', '.join(map(str, eval_files))}")
     report: dict[str, Any] = {"model": str(model), "dataset": str(dataset), "eval_files": [str(f) for f in eval_files]}
     inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *shlex.split(args.sglang_args)]
-    extraction = {
-        "dataset_url": str(dataset),
-        "model_path": str(model),
-        "max_length": args.max_length,
-        "shard_token_budget": args.shard_token_budget,
-        "draft_vocab_size": args.draft_vocab_size,
-    }
+    extraction = extraction_spec(args, dataset, model)
     try:
         console.print(f"[bold]2/5[/] the stack: SGLang with the capture plugin, {args.workers} workers")
         stack_started = time.monotonic()
