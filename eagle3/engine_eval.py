@@ -364,10 +364,10 @@ def evaluate_on_engine(
 
     with _work_dir(options.work_dir) as work:
         if options.url is not None:
-            results, tested = _measure_running(options, prompt_sets)
+            results, tested = measure_running(options, prompt_sets)
             drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
         else:
-            results, tested = _measure_launched(target, drafters, prompt_sets, options, work), options.settings
+            results, tested = measure_launched(target, drafters, prompt_sets, options, work), options.settings
         if options.compare_own:
             try:
                 _compare_with_own(results, drafters, prompt_sets, target, tested[:1], options.max_new_tokens)
@@ -408,7 +408,7 @@ def _run(url: str, prompts: list[list[int]], options: EngineEvalOptions) -> Serv
     )
 
 
-def _measure_running(
+def measure_running(
     options: EngineEvalOptions, prompt_sets: dict[str, list[list[int]]]
 ) -> tuple[list[EngineResult], list[SpeculativeConfig]]:
     """`--url` (and `--plain-url`): servers someone else launched."""
@@ -422,7 +422,7 @@ def _measure_running(
     return _rows("served", served, runs, plain), [served]
 
 
-def _measure_launched(
+def measure_launched(
     target: Path,
     drafters: dict[str, "Eagle3Drafter"],
     prompt_sets: dict[str, list[list[int]]],
@@ -461,7 +461,15 @@ def _measure_launched(
         (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
 
     if options.launch == "together":
-        with server_processes([launch for _, _, launch in servers], python=options.sglang_python) as urls:
+        # The first speculative server starts alone: it compiles and caches every kernel the others need (one
+        # cache folder, which servers compiling the same kernel at once could both write), then the rest start
+        # together from the cache.
+        launches = [launch for _, _, launch in servers]
+        with (
+            server_processes(launches[1:2], python=options.sglang_python) as first,
+            server_processes(launches[:1] + launches[2:], python=options.sglang_python) as others,
+        ):
+            urls = others[:1] + first + others[1:]
             for (drafter, setting, _), url in zip(servers, urls, strict=True):
                 measure(drafter, setting, url)
     else:

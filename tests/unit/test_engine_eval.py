@@ -25,12 +25,14 @@ from eagle3.engine_eval import (
     engine_table,
     load_requests,
     matching_outputs,
+    measure_launched,
     position_acceptance,
     serving_args,
     share_gpu_memory,
 )
 from eagle3.server_process import stock_argv
 from shared.errors import ConfigurationError
+from tests.trainer.test_export import bf16_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_CPU = ROOT / ".venv" / "sglang-cpu"  # Makefile: SGLang's parser, installed without its GPU dependencies
@@ -214,3 +216,32 @@ def test_servers_launched_together_share_the_gpu_unless_told() -> None:
     mine = [ServerLaunch(["-m", "sglang.launch_server"], "http://x", Path("log"))]
     share_gpu_memory(mine, EngineEvalOptions(settings=[], sglang_args=["--mem-fraction-static", "0.5"]))
     assert "--mem-fraction-static" not in mine[0].argv
+
+
+def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The orchestration with stand-in servers (tests/fixtures/stand_in_sglang.py) in SGLang's place: one plain
+    server, one per trained setting and one untrained at the first; the first speculative server starts alone."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests" / "fixtures" / "stand_in_sglang.py"} "$@"\n')
+    python.chmod(0o755)
+    drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
+    settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("3,1,4")]
+    options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python))
+    prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+
+    results = measure_launched(tiny_model_dir, drafters, prompts, options, tmp_path / "work")
+
+    assert [(r.drafter, r.setting) for r in results] == [
+        ("trained", "7,1,8"),
+        ("trained", "3,1,4"),
+        ("untrained", "7,1,8"),
+    ]
+    for result in results:
+        assert result.matches_greedy == 2 and result.plain_tokens_per_s and result.concurrent_tokens_per_s
+        assert result.acceptance.acceptance_length == pytest.approx(2.0)  # (5 - 1) / 2 verification steps
+        assert result.acceptance.position_acceptance == [1.0]
+    logs = sorted((tmp_path / "work").rglob("sglang-*.log"))
+    assert len(logs) == 4 and all("--mem-fraction-static 0.21" in log.read_text() for log in logs)  # 0.85 / 4
+    untrained = (tmp_path / "work" / "untrained" / "sglang-7-1-8.log").read_text()
+    assert f"--speculative-draft-model-path {tmp_path / 'work' / 'drafter-untrained'}" in untrained
+    assert len(json.loads((tmp_path / "work" / "engine-eval-partial.json").read_text())) == 3
