@@ -2,8 +2,7 @@
 
 from pathlib import Path
 
-import redis
-from fastapi import FastAPI, HTTPException, Request, status
+from fastapi import FastAPI, HTTPException, status
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
@@ -12,11 +11,11 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import shared
-from services.producer.deps import RETRY_AFTER_S, get_redis
+from services.producer import errors
+from services.producer.deps import get_redis
 from services.producer.metrics import ClusterCollector, JobsCollector
 from services.producer.routes import jobs, ops
 from shared import access
-from shared.errors import StorageUnavailable
 from shared.settings import Settings, get_settings
 
 STATIC = Path(__file__).parent / "static"
@@ -71,16 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(ops.router)
 
-    # An outage of what the API reads from is a 503 the client can retry, never a 500 that looks like a bug.
-    @app.exception_handler(redis.ConnectionError)
-    @app.exception_handler(redis.TimeoutError)
-    async def redis_unavailable(request: Request, exc: redis.RedisError) -> JSONResponse:
-        where = access.redact_url(settings.redis_url)
-        return _unavailable(f"Redis at {where} is not reachable ({type(exc).__name__}: {exc}); retry shortly")
-
-    @app.exception_handler(StorageUnavailable)
-    async def storage_unavailable(request: Request, exc: StorageUnavailable) -> JSONResponse:
-        return _unavailable(f"storage is not usable ({exc}); retry shortly")
+    errors.install(app, settings)
 
     app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
     if settings is not get_settings():
@@ -108,14 +98,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return FileResponse(STATIC / "job.html")
 
     return app
-
-
-def _unavailable(detail: str) -> JSONResponse:
-    return JSONResponse(
-        {"detail": access.redact_url(detail)},
-        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-        headers={"Retry-After": str(RETRY_AFTER_S)},
-    )
 
 
 def serve(settings: Settings) -> None:

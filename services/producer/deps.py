@@ -15,7 +15,6 @@ from shared.storage import Storage, open_storage
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 # What a client is told to wait before asking again while Redis or storage is down (a restart takes seconds).
-RETRY_AFTER_S = 5
 
 
 _storages: dict[tuple[str, str | None], Storage] = {}

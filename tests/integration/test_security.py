@@ -391,11 +391,37 @@ def test_a_job_id_in_the_path_that_cannot_exist_is_a_404(api: Api, job: dict, re
         ("GET", f"/v1/jobs/{raw}/failed"),
         ("POST", f"/v1/jobs/{raw}/cancel"),
         ("POST", f"/v1/jobs/{raw}/resume"),
+        ("GET", f"/v1/jobs/{raw}/details"),
+        ("GET", f"/v1/jobs/{raw}/timeline"),
+        ("GET", f"/v1/jobs/{raw}/trainer/run/curves"),
     ]:
         response = api.client.request(method, path, headers=AUTH)
         assert response.status_code == 404, f"{method} {path}: {response.status_code} {response.text}"
         assert "not a valid job id" in response.json()["detail"]
     assert set(redis.Redis.from_url(redis_url).keys()) == keys
+
+
+def test_a_job_that_does_not_exist_gets_one_answer_on_every_route(api: Api, job: dict, redis_url: str) -> None:
+    """The domain's JobNotFound, mapped to HTTP in one place (services/producer/errors.py): the same 404 and
+    the same words whether the job is read, listed in part, cancelled, resumed or charted; nothing is written."""
+    keys = set(redis.Redis.from_url(redis_url).keys())
+    answers = set()
+    for method, path in [
+        ("GET", "/v1/jobs/job-none"),
+        ("GET", "/v1/jobs/job-none/progress"),
+        ("GET", "/v1/jobs/job-none/rejected"),
+        ("GET", "/v1/jobs/job-none/failed"),
+        ("POST", "/v1/jobs/job-none/cancel"),
+        ("POST", "/v1/jobs/job-none/resume"),
+        ("GET", "/v1/jobs/job-none/details"),
+        ("GET", "/v1/jobs/job-none/timeline"),
+    ]:
+        response = api.client.request(method, path, headers=AUTH)
+        assert response.status_code == 404, f"{method} {path}: {response.status_code} {response.text}"
+        answers.add(response.json()["detail"])
+    assert answers == {"job 'job-none' not found"}
+    assert set(redis.Redis.from_url(redis_url).keys()) == keys
+    assert not (api.root / "store" / "job-none").exists()
 
 
 def test_an_upload_never_replaces_an_existing_jobs_dataset(api: Api, tiny_model_dir: Path) -> None:

@@ -1,4 +1,5 @@
-"""/v1/jobs: submit (extract or regenerate), list, inspect, cancel, resume."""
+"""/v1/jobs: submit (extract or regenerate), list, inspect, cancel, resume. Domain errors become HTTP answers in
+services/producer/errors.py."""
 
 import json
 from typing import Annotated
@@ -7,7 +8,6 @@ from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, ValidationError
 
 from services.producer.deps import (
-    RETRY_AFTER_S,
     Authorized,
     EnqueueDep,
     JobIdPath,
@@ -16,7 +16,7 @@ from services.producer.deps import (
     StorageDep,
 )
 from shared import jobs, layout, progress
-from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, SubmitError
+from shared.errors import JobNotFound
 from shared.kinds import kind_of
 from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 
@@ -31,26 +31,14 @@ class JobPublic(BaseModel):
 def _submit(
     spec: JobSpec, settings: SettingsDep, storage: StorageDep, client: RedisDep, enqueue: EnqueueDep
 ) -> JobPublic:
-    try:
-        job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=enqueue)
-    except OverBudget as exc:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(exc)) from exc
-    except DependencyUnavailable as exc:
-        raise HTTPException(
-            status.HTTP_503_SERVICE_UNAVAILABLE, str(exc), headers={"Retry-After": str(RETRY_AFTER_S)}
-        ) from exc
-    except SubmitError as exc:
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, str(exc)) from exc
+    job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=enqueue)
     return JobPublic(job=job, progress=_progress(job.job_id, settings, client))
 
 
 def _progress(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
-    try:
-        return progress.job_progress(
-            client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
-        )
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return progress.job_progress(
+        client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
+    )
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Authorized])
@@ -97,11 +85,7 @@ def list_jobs(settings: SettingsDep, client: RedisDep) -> list[Progress]:
 
 @router.get("/{job_id}", dependencies=[Authorized])
 def get_job(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobPublic:
-    try:
-        job = jobs.load_job(storage, job_id)
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    return JobPublic(job=job, progress=_progress(job_id, settings, client))
+    return JobPublic(job=jobs.load_job(storage, job_id), progress=_progress(job_id, settings, client))
 
 
 @router.get("/{job_id}/progress")
@@ -115,27 +99,20 @@ def get_rejected(job_id: JobIdPath, storage: StorageDep) -> list[RejectedSample]
     try:
         data = storage.get(layout.rejected(job_id))
     except KeyError as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id!r} not found") from exc
+        raise JobNotFound(job_id) from exc
     return [RejectedSample.model_validate_json(line) for line in data.splitlines() if line.strip()]
 
 
 @router.get("/{job_id}/failed", dependencies=[Authorized])
 def get_failed(job_id: JobIdPath, storage: StorageDep) -> list[FailedConversation]:
     """The samples (a regenerate job: conversations) that will not be in the job's output, each with its reason."""
-    try:
-        job = jobs.load_job(storage, job_id)
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
-    return kind_of(job.kind).failed(storage, job_id)
+    return kind_of(jobs.load_job(storage, job_id).kind).failed(storage, job_id)
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])
 def cancel_job(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> Progress:
     """Queued shards are skipped; shards already running finish and stay committed."""
-    try:
-        jobs.cancel(job_id, storage=storage, client=client)
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    jobs.cancel(job_id, storage=storage, client=client)
     return _progress(job_id, settings, client)
 
 
@@ -148,8 +125,5 @@ def resume_job(
     enqueue: EnqueueDep,
 ) -> Progress:
     """Re-enqueue every shard without a manifest, after recounting progress from storage."""
-    try:
-        jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
     return _progress(job_id, settings, client)

@@ -8,14 +8,13 @@ from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 
-from services.producer.deps import Authorized, RedisDep, SettingsDep, StorageDep
+from services.producer.deps import Authorized, JobIdPath, RedisDep, SettingsDep, StorageDep
 from shared import cluster, inspection, jobs, layout, progress, timeline
 from shared.errors import JobNotFound
 from shared.schemas import DeadLetter, JobRecord, Progress
 
 router = APIRouter(tags=["operations"])
 
-JobId = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 RunName = Annotated[str, Path(pattern=inspection.RUN_NAME_PATTERN)]
 
 
@@ -75,19 +74,16 @@ def get_overview(settings: SettingsDep, client: RedisDep) -> Overview:
 
 
 @router.get("/v1/jobs/{job_id}/details", dependencies=[Authorized])
-def get_job_details(job_id: JobId, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobDetails:
+def get_job_details(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobDetails:
     """A job's settings, progress, activity (stalled or not), storage root, dead letters and trainer runs."""
-    try:
-        job = jobs.load_job(storage, job_id)
-        overview = timeline.job_overview(
-            client,
-            job_id,
-            window_s=settings.progress_window_s,
-            budget_bytes=settings.storage_budget_bytes,
-            stall_after_s=settings.stall_after_s,
-        )
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    job = jobs.load_job(storage, job_id)
+    overview = timeline.job_overview(
+        client,
+        job_id,
+        window_s=settings.progress_window_s,
+        budget_bytes=settings.storage_budget_bytes,
+        stall_after_s=settings.stall_after_s,
+    )
     return JobDetails(
         job=job,
         progress=overview.progress,
@@ -99,16 +95,13 @@ def get_job_details(job_id: JobId, settings: SettingsDep, storage: StorageDep, c
 
 
 @router.get("/v1/jobs/{job_id}/timeline")
-def get_job_timeline(job_id: JobId, client: RedisDep, points: int = 120) -> timeline.JobTimeline:
+def get_job_timeline(job_id: JobIdPath, client: RedisDep, points: int = 120) -> timeline.JobTimeline:
     """Committed tokens and shards in `points` equal intervals from the job's creation to now (or its end)."""
-    try:
-        return timeline.job_timeline(client, job_id, points=min(max(points, 2), 1000))
-    except JobNotFound as exc:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from exc
+    return timeline.job_timeline(client, job_id, points=min(max(points, 2), 1000))
 
 
 @router.get("/v1/jobs/{job_id}/trainer/{run_name}/curves", response_class=HTMLResponse)
-def get_trainer_curves(job_id: JobId, run_name: RunName, storage: StorageDep) -> HTMLResponse:
+def get_trainer_curves(job_id: JobIdPath, run_name: RunName, storage: StorageDep) -> HTMLResponse:
     """The trainer's loss and accuracy curves (inline SVG, no script), as the trainer last wrote them."""
     try:
         page = storage.get(layout.trainer_curves(job_id, run_name))
