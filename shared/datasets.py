@@ -12,6 +12,7 @@ that also carries the line number, so that the producer can record every rejecti
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,17 @@ def iter_dataset_file(path: Path) -> Iterator[Conversation | InvalidRecord]:
     """`read_dataset` over a file, streamed (the file stays open until the iterator is exhausted or closed)."""
     with path.open("rb") as lines:
         yield from read_dataset(lines)
+
+
+def write_dataset_file(path: Path, records: Iterable[dict[str, Any]]) -> Path:
+    """JSONL, one record a line, written whole or not at all: readers never see a half-written dataset."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")
+    with partial.open("w", encoding="utf-8", newline="\n") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.replace(partial, path)
+    return path
 
 
 def _line_id(line: int) -> str:

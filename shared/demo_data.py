@@ -8,13 +8,12 @@ assistant turn so that every conversation stays under about 400 SmolLM2 tokens, 
 prompt included.
 """
 
-import json
 import logging
-import os
 import random
 from pathlib import Path
 
 from shared.chat_corpora import Dialog, chatterbot_dialogs, chitchat_dialogs, clean_turn
+from shared.datasets import write_dataset_file
 from shared.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -42,13 +41,7 @@ def write_demo_dataset(out_path: Path, *, num_conversations: int = 200, seed: in
     picked = rng.sample(chatterbot, num_chatterbot) + rng.sample(chitchat, num_chitchat)
     rng.shuffle(picked)
 
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = out_path.with_name(f".{out_path.name}.tmp")
-    with tmp_path.open("w", encoding="utf-8") as out:
-        for dialog_id, messages in picked:
-            out.write(json.dumps({"id": dialog_id, "messages": messages}, ensure_ascii=False) + "\n")
-    # Readers never see a half-written dataset.
-    os.replace(tmp_path, out_path)
+    write_dataset_file(out_path, ({"id": dialog_id, "messages": messages} for dialog_id, messages in picked))
     logger.info("wrote %d demo conversations (seed %d) to %s", len(picked), seed, out_path)
     return out_path
 

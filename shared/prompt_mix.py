@@ -26,7 +26,6 @@ Same seed, interpreter and installed packages: the same bytes.
 
 import ast
 import hashlib
-import json
 import logging
 import os
 import random
@@ -41,6 +40,7 @@ from typing import Any, Literal
 
 from shared import instruction_topics as topics
 from shared.chat_corpora import chatterbot_dialogs, chitchat_dialogs, clean_turn
+from shared.datasets import write_dataset_file
 from shared.errors import ConfigurationError, Eagle3Error
 
 logger = logging.getLogger(__name__)
@@ -234,11 +234,10 @@ def build_prompt_mix(
     random.Random(f"{seed}/shuffle").shuffle(train)
     check_held_out(train, eval_code + eval_chat)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     files = PromptMixFiles(
-        train_path=_write_jsonl(out_dir / "train.jsonl", train),
-        eval_code_path=_write_jsonl(out_dir / "eval_code.jsonl", eval_code),
-        eval_chat_path=_write_jsonl(out_dir / "eval_chat.jsonl", eval_chat),
+        train_path=write_dataset_file(out_dir / "train.jsonl", (p.record() for p in train)),
+        eval_code_path=write_dataset_file(out_dir / "eval_code.jsonl", (p.record() for p in eval_code)),
+        eval_chat_path=write_dataset_file(out_dir / "eval_chat.jsonl", (p.record() for p in eval_chat)),
         train_counts=counts,
         eval_code_count=len(eval_code),
         eval_chat_count=len(eval_chat),
@@ -303,16 +302,6 @@ def _pick(pool: list[Prompt], count: int, rng: random.Random, what: str, made_fr
     if count > len(pool):
         raise ConfigurationError(f"{count} {what} asked, but {made_from} give only {len(pool)}")
     return rng.sample(pool, count)
-
-
-def _write_jsonl(path: Path, prompts: list[Prompt]) -> Path:
-    tmp_path = path.with_name(f".{path.name}.tmp")
-    with tmp_path.open("w", encoding="utf-8", newline="\n") as out:
-        for prompt in prompts:
-            out.write(json.dumps(prompt.record(), ensure_ascii=False) + "\n")
-    # Readers never see a half-written file.
-    os.replace(tmp_path, path)
-    return path
 
 
 def _is_held_out(key: str) -> bool:
