@@ -42,6 +42,7 @@ from rich.table import Table
 
 from eagle3.local_stack import free_port
 from eagle3.server_process import ServerLaunch, server_processes, stock_argv
+from shared import intervals
 from shared.errors import ConfigurationError, Eagle3Error
 from shared.settings import Settings
 
@@ -249,17 +250,12 @@ def engine_acceptance(completions: list[Completion]) -> EngineAcceptance:
     lengths = [c.acceptance_length for c in measured if c.acceptance_length is not None]
     steps = sum(c.verify_steps or 0 for c in measured)
     after_prefill = sum(len(c.output_ids) - 1 for c in measured)
-    mean = statistics.fmean(lengths) if lengths else math.nan
-    ci95 = (math.nan, math.nan)
-    if len(lengths) >= 2:
-        half = statistics.NormalDist().inv_cdf(0.975) * statistics.stdev(lengths) / math.sqrt(len(lengths))
-        ci95 = (mean - half, mean + half)
     return EngineAcceptance(
         prompts=len(completions),
         new_tokens=sum(len(c.output_ids) for c in completions),
         verify_steps=steps,
-        acceptance_length=mean,
-        acceptance_length_ci95=ci95,
+        acceptance_length=intervals.mean(lengths),
+        acceptance_length_ci95=intervals.mean_ci95(lengths),
         pooled_acceptance_length=after_prefill / steps if steps else math.nan,
         position_acceptance=position_acceptance(measured),
     )

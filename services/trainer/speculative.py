@@ -24,7 +24,6 @@ decoding must match). SGLang's published accept lengths count the bonus token to
 import inspect
 import logging
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +32,7 @@ from torch import Tensor
 from transformers import DynamicCache, GenerationConfig, LlamaForCausalLM
 
 from services.trainer.drafter import Eagle3Drafter, KVCache
+from shared import intervals
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +66,12 @@ class AcceptanceResult:
     @property
     def mean_acceptance_length(self) -> float:
         """The mean over prompts of each prompt's acceptance length."""
-        lengths = self.prompt_acceptance_lengths
-        return statistics.fmean(lengths) if lengths else math.nan
+        return intervals.mean(self.prompt_acceptance_lengths)
 
     @property
     def acceptance_length_ci95(self) -> tuple[float, float]:
-        """A 95% interval of that mean over prompts (normal approximation: mean +- 1.96 standard errors)."""
-        lengths = self.prompt_acceptance_lengths
-        if len(lengths) < 2:
-            return (math.nan, math.nan)
-        half = statistics.NormalDist().inv_cdf(0.975) * statistics.stdev(lengths) / math.sqrt(len(lengths))
-        return (self.mean_acceptance_length - half, self.mean_acceptance_length + half)
+        """A 95% interval of that mean over prompts."""
+        return intervals.mean_ci95(self.prompt_acceptance_lengths)
 
 
 def aux_hidden_state(hidden_states: tuple[Tensor, ...], aux_layer_ids: list[int]) -> Tensor:
