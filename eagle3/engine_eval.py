@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -140,7 +140,6 @@ class Completion:
 
     output_ids: list[int]
     verify_steps: int | None = None  # spec_verify_ct: target verification forwards after the prefill
-    correct_drafts: int | None = None  # spec_num_correct_drafts: drafts accepted, bonus tokens not counted
     correct_drafts_histogram: list[int] | None = None  # [j] = verification steps that accepted j drafts
 
     @classmethod
@@ -153,7 +152,6 @@ class Completion:
         return cls(
             output_ids=list(output_ids),
             verify_steps=int(verify_steps) if verify_steps is not None else None,
-            correct_drafts=meta.get("spec_num_correct_drafts"),
             correct_drafts_histogram=meta.get("spec_correct_drafts_histogram"),
         )
 
@@ -360,13 +358,14 @@ def evaluate_on_engine(
 
     with _work_dir(options.work_dir) as work:
         if options.url is not None:
-            results, tested = measure_running(options, prompt_sets)
-            drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
+            results, headline = measure_running(options, prompt_sets)
+            if options.compare_own:
+                drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
         else:
-            results, tested = measure_launched(target, drafters, prompt_sets, options, work), options.settings
+            results, headline = measure_launched(target, drafters, prompt_sets, options, work), options.settings[0]
         if options.compare_own:
             try:
-                _compare_with_own(results, drafters, prompt_sets, target, tested[:1], options.max_new_tokens)
+                _compare_with_own(results, drafters, prompt_sets, target, headline, options.max_new_tokens)
             except Exception as exc:  # SGLang's numbers stand without ours; say why ours are missing
                 logger.exception("the project's own acceptance could not be measured")
                 for result in results:
@@ -406,7 +405,7 @@ def _run(url: str, prompts: list[list[int]], options: EngineEvalOptions) -> Serv
 
 def measure_running(
     options: EngineEvalOptions, prompt_sets: dict[str, list[list[int]]]
-) -> tuple[list[EngineResult], list[SpeculativeConfig]]:
+) -> tuple[list[EngineResult], SpeculativeConfig]:
     """`--url` (and `--plain-url`): servers someone else launched."""
     assert options.url is not None
     plain = {f: _run(options.plain_url, p, options) for f, p in prompt_sets.items()} if options.plain_url else None
@@ -415,7 +414,7 @@ def measure_running(
     except KeyError:  # a server that does not report its setting: the one given
         served = options.settings[0]
     runs = {f: _run(options.url, p, options) for f, p in prompt_sets.items()}
-    return _rows("served", served, runs, plain), [served]
+    return _rows("served", served, runs, plain), served
 
 
 def measure_launched(
@@ -441,7 +440,8 @@ def measure_launched(
             args = serving_args(options, setting, export_dir)
             servers.append((name, setting, _launch(target, free_port(), args, log)))
     if options.launch == "together":
-        share_gpu_memory([launch for _, _, launch in servers], options)
+        with_shares = share_gpu_memory([launch for _, _, launch in servers], options)
+        servers = [(name, setting, launch) for (name, setting, _), launch in zip(servers, with_shares, strict=True)]
     plain: dict[str, ServerRun] = {}
     results: list[EngineResult] = []
 
@@ -490,13 +490,12 @@ def _launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch
     return ServerLaunch(argv, f"http://127.0.0.1:{port}", log, {"SGLANG_PLUGINS": "none"})
 
 
-def share_gpu_memory(launches: list[ServerLaunch], options: EngineEvalOptions) -> None:
-    """Servers on one GPU together each take a share of its memory, unless the user set one."""
+def share_gpu_memory(launches: list[ServerLaunch], options: EngineEvalOptions) -> list[ServerLaunch]:
+    """The launches of servers on one GPU together, each with a share of its memory, unless the user set one."""
     if "--mem-fraction-static" in options.sglang_args:
-        return
+        return launches
     share = f"{TOGETHER_MEMORY / len(launches):.3f}"
-    for launch in launches:
-        launch.argv.extend(["--mem-fraction-static", share])
+    return [replace(launch, argv=[*launch.argv, "--mem-fraction-static", share]) for launch in launches]
 
 
 def _rows(
@@ -526,13 +525,12 @@ def _compare_with_own(
     drafters: dict[str, "Eagle3Drafter"],
     prompt_sets: dict[str, list[list[int]]],
     target: Path,
-    settings: list[SpeculativeConfig],
+    headline: SpeculativeConfig,
     max_new_tokens: int,
 ) -> None:
     """The project's own speculative decoding of the same prompts, once per drafter and file, at the headline
     setting when it is a chain (a Python loop of one prompt at a time: minutes on a GPU, so not for a whole sweep)."""
-    chains = sorted({s.steps for s in settings if s.chain})
-    if not chains:
+    if not headline.chain:
         return
     import torch
 
@@ -544,13 +542,12 @@ def _compare_with_own(
     for name, drafter in drafters.items():
         drafter.to(device)
         for file, prompts in prompt_sets.items():
-            for steps in chains:
-                own = measure_acceptance(
-                    target_model, drafter, prompts, num_draft_tokens=steps, max_new_tokens=max_new_tokens
-                ).mean_acceptance_length
-                for result in results:
-                    if (result.drafter, result.file) == (name, file) and result.setting.startswith(f"{steps},1,"):
-                        result.compare_with_own(own)
+            own = measure_acceptance(
+                target_model, drafter, prompts, num_draft_tokens=headline.steps, max_new_tokens=max_new_tokens
+            ).mean_acceptance_length
+            for result in results:
+                if (result.drafter, result.file, result.setting) == (name, file, headline.label):
+                    result.compare_with_own(own)
 
 
 def best_setting(results: list[EngineResult]) -> dict[str, Any] | None:

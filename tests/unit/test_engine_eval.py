@@ -211,10 +211,10 @@ def test_the_command_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pyte
 
 def test_servers_launched_together_share_the_gpu_unless_told() -> None:
     launches = [ServerLaunch(["-m", "sglang.launch_server"], "http://x", Path("log")) for _ in range(3)]
-    share_gpu_memory(launches, EngineEvalOptions(settings=[]))
+    launches = share_gpu_memory(launches, EngineEvalOptions(settings=[]))
     assert all(item.argv[-2:] == ["--mem-fraction-static", "0.283"] for item in launches)
     mine = [ServerLaunch(["-m", "sglang.launch_server"], "http://x", Path("log"))]
-    share_gpu_memory(mine, EngineEvalOptions(settings=[], sglang_args=["--mem-fraction-static", "0.5"]))
+    mine = share_gpu_memory(mine, EngineEvalOptions(settings=[], sglang_args=["--mem-fraction-static", "0.5"]))
     assert "--mem-fraction-static" not in mine[0].argv
 
 
