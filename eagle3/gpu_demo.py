@@ -33,7 +33,7 @@ from eagle3.engine_eval import (
 from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
 from eagle3.local_stack import LocalStack, free_port
 from shared import layout
-from shared.datasets import Conversation, iter_dataset_file
+from shared.datasets import Conversation, read_dataset
 from shared.errors import ConfigurationError, Eagle3Error
 from shared.model_assets import resolve_model_path
 from shared.settings import Settings
@@ -120,7 +120,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
                 console.print("      SGLang's own decoding and prefill of the same work, driven directly")
                 report["sglang_baseline"] = sglang_baselines(
                     stack.env["EAGLE3_INFERENCE_URL"],
-                    read_regenerated(settings, report["regeneration"]["job_id"], demo_dir),
+                    read_regenerated(settings, report["regeneration"]["job_id"]),
                     model,
                     decode_concurrency=args.workers * args.regenerate_concurrency,
                     prefill_concurrency=args.workers * args.inference_concurrency,
@@ -172,12 +172,10 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def read_regenerated(settings: Settings, regenerate_job_id: str, demo_dir: Path) -> list[Conversation]:
+def read_regenerated(settings: Settings, regenerate_job_id: str) -> list[Conversation]:
     """The regenerate job's assembled output, the conversations the extraction job read."""
-    storage = open_storage(settings.storage_url, settings)
-    path = demo_dir / "regenerated.jsonl"
-    path.write_bytes(storage.get(layout.regenerated_dataset(regenerate_job_id)))
-    return [record for record in iter_dataset_file(path) if isinstance(record, Conversation)]
+    data = open_storage(settings.storage_url, settings).get(layout.regenerated_dataset(regenerate_job_id))
+    return [record for record in read_dataset(data.splitlines()) if isinstance(record, Conversation)]
 
 
 def sglang_baselines(
