@@ -169,12 +169,16 @@ def sized_shards(spec: JobSpec, client: redis.Redis) -> JobSpec:
         return spec  # a regenerate job passes shard_seconds on to its chained extraction job
     rate = shard_metrics.recent_rate(client, "extract")
     if rate is None:
-        logger.warning("shard_seconds=%s: no extraction shard measured yet; %d tokens a shard", spec.shard_seconds,
-                       spec.shard_token_budget)  # fmt: skip
+        logger.warning(
+            "shard_seconds=%s: no extraction shard measured yet; %d tokens a shard",
+            spec.shard_seconds,
+            spec.shard_token_budget,
+        )
         return spec
     budget = round(min(max(rate * spec.shard_seconds, MIN_SIZED_SHARD_TOKENS), MAX_SIZED_SHARD_TOKENS))
-    logger.info("shard_seconds=%s at a measured %.0f tokens/s per worker: %d tokens a shard", spec.shard_seconds, rate,
-                budget)  # fmt: skip
+    logger.info(
+        "shard_seconds=%s at a measured %.0f tokens/s per worker: %d tokens a shard", spec.shard_seconds, rate, budget
+    )
     return spec.model_copy(update={"shard_token_budget": budget})
 
 
