@@ -7,9 +7,9 @@
 # 64 MiB a command may send, the folders made here first by make_sglang_carry.sh flashmla model stack, and by
 # `eagle3 prompts --out .gpu_data --train 4000 --eval 24` plus the wheels in .gpu_wheels):
 #   1 carry .sgl_b1 .sgl_fm             bash .sgl_b1/sglang_device.sh stage preflight
-#   2 carry .sgl_b2 .gpu_data .gpu_wheels   bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
+#   2 carry .sgl_b2 .gpu_data           bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
 #   3 carry .sgl_m1                     bash /tmp/sglang_device.sh stage
-#   4 carry .sgl_s                      bash /tmp/sglang_device.sh stage
+#   4 carry .sgl_s .gpu_wheels          bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
 #   5 carry .sgl_m2                     bash /tmp/sglang_device.sh stage install smollm2;
 #                                       GPU_WAIT_S=420 bash scripts/gpu_product.sh deps demo wait
 #   6 (nothing)                         GPU_WAIT_S=540 bash scripts/gpu_product.sh wait    (again until it ends)

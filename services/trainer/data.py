@@ -556,6 +556,11 @@ class DataStats:
     def from_dict(cls, data: dict[str, Any]) -> "DataStats":
         return cls(data["samples_loaded"], data["tokens_loaded"], Counter(data["skipped_by_reason"]))
 
+    def add(self, other: "DataStats") -> None:
+        self.samples_loaded += other.samples_loaded
+        self.tokens_loaded += other.tokens_loaded
+        self.skipped.update(other.skipped)
+
 
 class SampleLoader:
     """Fetches the samples of a planned batch (in parallel), verifies them against the manifest and collates a
@@ -579,26 +584,28 @@ class SampleLoader:
     def close(self) -> None:
         self._pool.shutdown()
 
-    def load(self, planned: PlannedBatch) -> Batch | None:
-        """The collated batch, or None if every sample of it was skipped."""
+    def load(self, planned: PlannedBatch, stats: DataStats | None = None) -> Batch | None:
+        """The collated batch, or None if every sample of it was skipped. Counts into `stats` (default: the
+        loader's own), so that a batch loaded ahead is counted only once it is used."""
+        stats = self.stats if stats is None else stats
         records = [
-            r for r in self._pool.map(lambda s: self._fetch(s, planned.length), planned.samples) if r is not None
+            r for r in self._pool.map(lambda s: self._fetch(s, planned.length, stats), planned.samples) if r is not None
         ]
         return collate(records) if records else None
 
-    def _fetch(self, sample: ManifestSample, max_length: int) -> dict[str, torch.Tensor] | None:
+    def _fetch(self, sample: ManifestSample, max_length: int, stats: DataStats) -> dict[str, torch.Tensor] | None:
         try:
             record = self._verified_record(sample)
         except SkippedSample as exc:
             with self._lock:
-                self.stats.skipped[exc.reason] += 1
+                stats.skipped[exc.reason] += 1
             SKIPPED_SAMPLES.labels(self.job_id, exc.reason).inc()
             logger.warning("job %s sample %s skipped: %s", self.job_id, sample.sample_id, exc)
             return None
         record = {name: _truncate(name, tensor, max_length) for name, tensor in record.items()}
         with self._lock:
-            self.stats.samples_loaded += 1
-            self.stats.tokens_loaded += record["input_ids"].numel()
+            stats.samples_loaded += 1
+            stats.tokens_loaded += record["input_ids"].numel()
         return record
 
     def _verified_record(self, sample: ManifestSample) -> dict[str, torch.Tensor]:

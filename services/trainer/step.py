@@ -59,7 +59,7 @@ def build_optimizer(drafter: nn.Module, config: TrainConfig) -> torch.optim.Adam
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, fused=fused or None)
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+def lr_factor(step: float, *, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Linear warmup to 1, then cosine decay to min_lr_ratio at total_steps, flat after."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -67,12 +67,31 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: f
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int) -> LambdaLR:
+@dataclass
+class TrainClock:
+    """Seconds spent training, over resumes (a checkpoint keeps them)."""
+
+    seconds: float = 0.0
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int, clock: TrainClock | None = None
+) -> LambdaLR:
+    """Warmup, then cosine decay over `total_steps`. A run bounded by time alone (max_seconds without max_steps or
+    schedule_steps, given `clock`) decays as far as the further of its steps and its seconds: its LR reaches the
+    minimum when the time runs out, however many steps the device managed."""
     warmup = round(config.warmup_ratio * total_steps)
-    return LambdaLR(
-        optimizer,
-        lambda step: lr_factor(step, warmup_steps=warmup, total_steps=total_steps, min_lr_ratio=config.min_lr_ratio),
-    )
+    by_time = config.max_steps is None and config.schedule_steps is None
+    timed = (clock, config.max_seconds) if clock is not None and config.max_seconds and by_time else None
+
+    def factor(step: int) -> float:
+        position = float(step)
+        if timed is not None and step >= warmup:
+            run_clock, budget = timed
+            position = max(position, warmup + (total_steps - warmup) * min(1.0, run_clock.seconds / budget))
+        return lr_factor(position, warmup_steps=warmup, total_steps=total_steps, min_lr_ratio=config.min_lr_ratio)
+
+    return LambdaLR(optimizer, factor)
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -14,6 +14,8 @@ import logging
 import math
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +55,10 @@ from services.trainer.data import (
 )
 from services.trainer.distributed import Runtime, init_runtime
 from services.trainer.drafter import Eagle3Drafter, TargetHead, build_drafter, read_target_config
+from services.trainer.loss import Batch
 from services.trainer.step import (
     StepResult,
+    TrainClock,
     TTTObjective,
     autocast,
     build_optimizer,
@@ -71,6 +75,17 @@ from shared.storage import Storage, open_storage
 from shared.vocab import load_vocab_mapping
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadingGroup:
+    """A planned group of micro-batches whose samples (this rank's share) load in the background."""
+
+    size: int  # micro-batches in the group, over all ranks
+    position: DataPosition  # the planner's position after the group: what a checkpoint records once it trained
+    batches: Future[list[Batch | None]]
+    stats: DataStats  # what loading it counted, added to the loader's once the group is trained
+
 
 # Real tokens per padded token after length-sorted packing; only used to guess the LR schedule's length when
 # neither max_steps nor schedule_steps is given.
@@ -167,6 +182,7 @@ def build_trainer(
             config.schedule_steps or config.max_steps or estimate_schedule_steps(job, config, runtime.world_size)
         )
     optimizer = build_optimizer(drafter, config)
+    clock = TrainClock()
 
     # The data.
     planner = BatchPlanner(
@@ -197,7 +213,8 @@ def build_trainer(
         target_head=target_head,
         model=objective,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, config, schedule_steps),
+        scheduler=build_scheduler(optimizer, config, schedule_steps, clock),
+        clock=clock,
         schedule_steps=schedule_steps,
         planner=planner,
         loader=loader,
@@ -221,6 +238,7 @@ class Trainer:
         model: nn.Module,  # the TTT objective around the drafter, DDP-wrapped under torchrun
         optimizer: torch.optim.Optimizer,
         scheduler: LambdaLR,
+        clock: TrainClock,  # the scheduler reads it: a run bounded by time decays with its time
         schedule_steps: int,
         planner: BatchPlanner,
         loader: SampleLoader,
@@ -232,7 +250,10 @@ class Trainer:
         self.optimizer, self.scheduler, self.schedule_steps = optimizer, scheduler, schedule_steps
         self.planner, self.loader, self.follower = planner, loader, follower
         self.position = planner.position.model_copy(deep=True)  # as of the last trained group
-        self.step, self.train_tokens, self.train_seconds = 0, 0, 0.0
+        self._forming: list[PlannedBatch] = []  # a group planned in part, waiting for the job's next shards
+        # One group loads (reads, verifies, decodes, collates) while the step before it runs on the device.
+        self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-ahead")
+        self.step, self.train_tokens, self.clock = 0, 0, clock
         self.history: list[dict[str, Any]] = []
         self.last_saved_step = -1
         self.labels = (config.job_id, config.run_name)
@@ -251,7 +272,7 @@ class Trainer:
         self.planner.position = checkpoint.data_position.model_copy(deep=True)
         self.position = checkpoint.data_position.model_copy(deep=True)
         self.step, self.last_saved_step = checkpoint.step, checkpoint.step
-        self.train_tokens, self.train_seconds = checkpoint.train_tokens, checkpoint.train_seconds
+        self.train_tokens, self.clock.seconds = checkpoint.train_tokens, checkpoint.train_seconds
         self.history = list(checkpoint.history)
         ranks, rank = checkpoint.ranks, self.runtime.rank
         if len(ranks) != self.runtime.world_size:
@@ -280,59 +301,82 @@ class Trainer:
         stop_reason = "end_of_data"
         window: list[StepResult] = []
         window_started = time.monotonic()
-        while True:
-            if config.max_steps is not None and self.step >= config.max_steps:
-                stop_reason = "max_steps"
-                break
-            if runtime.agree(out_of_time()):
-                stop_reason = "max_seconds"
-                break
-            step_started = time.monotonic()
-            group, timed_out = self._next_group(out_of_time)
-            if timed_out:
-                stop_reason = "max_seconds"
-                break
-            if not group:
-                break
-            result = self._train_group(group)
-            self.position = self.planner.position.model_copy(deep=True)
-            self.train_seconds += time.monotonic() - step_started
-            if not result.stepped:
-                continue
-            self.step += 1
-            self.train_tokens += result.tokens
-            window.append(result)
-            self._publish(result)
-            if self.step % config.log_every == 0:
-                self._log_window(window, time.monotonic() - window_started)
-                window, window_started = [], time.monotonic()
-            if self.step % config.checkpoint_every == 0:
-                self._save_checkpoint()
+        upcoming: LoadingGroup | None = None
+        try:
+            while True:
+                if config.max_steps is not None and self.step >= config.max_steps:
+                    stop_reason = "max_steps"
+                    break
+                if runtime.agree(out_of_time()):
+                    stop_reason = "max_seconds"
+                    break
+                step_started = time.monotonic()
+                if upcoming is None:
+                    group, timed_out = self._next_group(out_of_time, block=True)
+                    if timed_out:
+                        stop_reason = "max_seconds"
+                        break
+                    if not group:
+                        break
+                    upcoming = self._start_loading(group)
+                current = upcoming
+                # The next group's samples load while this one trains, when the planner has it without waiting
+                # for the job to commit more shards.
+                ahead, _ = self._next_group(out_of_time, block=False)
+                upcoming = self._start_loading(ahead) if ahead else None
+                result = self._train_group(current)
+                self.position = current.position
+                self.clock.seconds += time.monotonic() - step_started
+                if not result.stepped:
+                    continue
+                self.step += 1
+                self.train_tokens += result.tokens
+                window.append(result)
+                self._publish(result)
+                if self.step % config.log_every == 0:
+                    self._log_window(window, time.monotonic() - window_started)
+                    window, window_started = [], time.monotonic()
+                if self.step % config.checkpoint_every == 0:
+                    self._save_checkpoint()
+        finally:
+            if upcoming is not None:  # loaded ahead but never trained: the checkpoint's position is before it
+                upcoming.batches.cancel()
+                wait([upcoming.batches])
         if window:
             self._log_window(window, time.monotonic() - window_started)
         checkpoint = self._save_checkpoint() if self.step != self.last_saved_step else self._last_key()
         return self._finish(stop_reason, checkpoint)
 
-    def _next_group(self, out_of_time: Any) -> tuple[list[PlannedBatch], bool]:
+    def _next_group(self, out_of_time: Any, *, block: bool) -> tuple[list[PlannedBatch], bool]:
         """The next group of planned micro-batches (shorter at the end of the data) and whether time ran out
-        while waiting for shards."""
-        group: list[PlannedBatch] = []
+        while waiting for shards. Without `block`, [] while the job has not committed what the group needs yet
+        (the batches planned so far wait for the next call)."""
         size = self.config.grad_accum * self.runtime.world_size
-        while len(group) < size:
-            planned = self.planner.next_batch(block=True)
+        while len(self._forming) < size:
+            planned = self.planner.next_batch(block=block)
             if planned is None:
                 break
             if planned == NOT_READY:
+                if not block:
+                    return [], False
                 if self.runtime.agree(out_of_time()):
                     return [], True
                 continue
-            group.append(planned)
+            self._forming.append(planned)
+        group, self._forming = self._forming, []
         return group, False
 
-    def _train_group(self, group: list[PlannedBatch]) -> StepResult:
-        W, A = self.runtime.world_size, self.config.grad_accum
-        mine = group[self.runtime.rank :: W]
-        batches = [self.loader.load(planned) for planned in mine]
+    def _start_loading(self, group: list[PlannedBatch]) -> LoadingGroup:
+        """This rank's share of `group`, loading in the background, with the planner's position after it."""
+        mine = group[self.runtime.rank :: self.runtime.world_size]
+        stats = DataStats()
+        batches = self._prefetch.submit(lambda: [self.loader.load(planned, stats) for planned in mine])
+        return LoadingGroup(len(group), self.planner.position.model_copy(deep=True), batches, stats)
+
+    def _train_group(self, group: LoadingGroup) -> StepResult:
+        A = self.config.grad_accum
+        batches: list[Batch | None] = list(group.batches.result())
+        self.loader.stats.add(group.stats)
         batches += [None] * (A - len(batches))  # placeholders: the last group may be short
         return train_step(
             self.model,
@@ -340,7 +384,7 @@ class Trainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             params=self.params,
-            loss_scale=W / len(group),
+            loss_scale=self.runtime.world_size / group.size,
             max_grad_norm=self.config.max_grad_norm,
             ttt_length=self.config.ttt_length,
             device=self.runtime.device,
@@ -355,6 +399,7 @@ class Trainer:
             logger.error("DDP ranks diverged: trainable weights differ (%s)", fingerprints)
         heldout = self._evaluate_heldout() if runtime.rank == 0 else {}
         stats = runtime.gather(self.loader.stats.as_dict())
+        self._prefetch.shutdown()
         self.loader.close()
         last = self.history[-1] if self.history else {}
         if runtime.rank == 0:
@@ -365,7 +410,7 @@ class Trainer:
                 stop_reason,
                 self.step,
                 self.train_tokens,
-                self.train_seconds,
+                self.clock.seconds,
                 checkpoint,
             )
         return {
@@ -374,8 +419,8 @@ class Trainer:
             "steps": self.step,
             "stop_reason": stop_reason,
             "train_tokens": self.train_tokens,
-            "train_seconds": round(self.train_seconds, 3),
-            "tokens_per_second": self.train_tokens / self.train_seconds if self.train_seconds else 0.0,
+            "train_seconds": round(self.clock.seconds, 3),
+            "tokens_per_second": self.train_tokens / self.clock.seconds if self.clock.seconds else 0.0,
             "world_size": runtime.world_size,
             "final_loss": last.get("loss"),
             "final_step_accuracies": last.get("step_accuracies"),
@@ -453,7 +498,7 @@ class Trainer:
             data_position=self.position,
             ranks=ranks,
             train_tokens=self.train_tokens,
-            train_seconds=self.train_seconds,
+            train_seconds=self.clock.seconds,
             history=self.history,
             provenance=self.job.provenance.model_dump() if self.job.provenance is not None else None,
         )

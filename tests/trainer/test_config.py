@@ -2,11 +2,14 @@
 resumed run can tell an explicit value from a default), and a bad value names its flag."""
 
 import argparse
+import itertools
 
 import pytest
+import torch
 
 from services.trainer import cli as trainer_cli
 from services.trainer.config import RESUME_OVERRIDES, TrainConfig, config_from_args, resumed_config
+from services.trainer.step import TrainClock, build_scheduler
 from shared.errors import ConfigurationError
 
 
@@ -75,3 +78,31 @@ def test_resuming_keeps_what_would_change_the_next_steps() -> None:
     resumed = resumed_config(saved, given)
     assert "max_steps" in RESUME_OVERRIDES and "lr" not in RESUME_OVERRIDES
     assert (resumed.lr, resumed.max_steps, resumed.warmup_ratio, resumed.run_name) == (1e-3, 20, 0.1, "again")
+
+
+def _scheduler_lrs(config: TrainConfig, clock: TrainClock, seconds: list[float]) -> list[float]:
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.lr)
+    scheduler = build_scheduler(optimizer, config, total_steps=1000, clock=clock)
+    lrs = []
+    for elapsed in seconds:
+        clock.seconds = elapsed
+        optimizer.step()
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    return lrs
+
+
+def test_a_run_bounded_by_time_decays_its_learning_rate_to_the_minimum_when_its_time_runs_out() -> None:
+    # 100 steps of a 1000-step estimate: by steps alone the cosine would have barely started.
+    timed = TrainConfig(job_id="job", lr=1e-3, min_lr_ratio=0.1, warmup_ratio=0.01, max_seconds=100.0)
+    seconds = [i + 1.0 for i in range(100)]
+    lrs = _scheduler_lrs(timed, TrainClock(), seconds)
+    assert lrs[8] == pytest.approx(1e-3)  # warmup (10 steps) goes by steps, whatever the time
+    assert lrs[49] == pytest.approx(5.5e-4)  # half the time: half way down the cosine (0.1 + 0.9 / 2)
+    assert lrs[-1] == pytest.approx(1e-4)  # the minimum, at the end of the budget
+    assert all(a >= b for a, b in itertools.pairwise(lrs[10:]))
+    # Given a step count, the schedule follows steps only.
+    by_steps = TrainConfig(
+        job_id="job", lr=1e-3, min_lr_ratio=0.1, warmup_ratio=0.01, max_seconds=100.0, max_steps=1000
+    )
+    assert _scheduler_lrs(by_steps, TrainClock(), seconds)[-1] > 9e-4
