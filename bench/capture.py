@@ -26,11 +26,11 @@ from rich.table import Table
 
 from bench.capture_model import bench_prompts, capture_model
 from bench.common import bench_job, in_processes, reference_server
-from shared.capture_protocol import default_aux_layer_ids
-from shared.inference_client import InferenceClient
-from shared.kinds.extract import capture_and_write
-from shared.schemas import JobRecord, SampleInput
-from shared.storage import FileStorage
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import default_aux_layer_ids
+from shared.lifecycle.kinds.extract import capture_and_write
+from shared.lifecycle.schemas import JobRecord, SampleInput
+from shared.storage.objects import FileStorage
 
 
 def bare_prefill_rate(model_dir: Path, prompts: list[list[int]], batch_tokens: int, repeats: int) -> float:

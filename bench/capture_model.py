@@ -40,7 +40,7 @@ def capture_model(name: str, work: Path) -> tuple[Path, dict[str, Any]]:
     if name == RANDOM_8B:
         model_dir = random_llama_8b(work / name)
     else:
-        from shared.model_assets import resolve_model_path
+        from shared.data.model_assets import resolve_model_path
 
         model_dir = resolve_model_path(name)
     return model_dir, json.loads((model_dir / "config.json").read_text())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from eagle3.local_stack import free_port
 from eagle3.server_process import server_process
-from shared.schemas import JobRecord, JobSpec, ModelRecord
+from shared.lifecycle.schemas import JobRecord, JobSpec, ModelRecord
 
 
 def bench_job(*, hidden_size: int, num_hidden_layers: int, vocab_size: int, aux_layer_ids: list[int]) -> JobRecord:

@@ -24,11 +24,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import bench_job, in_processes
-from shared.capture_protocol import CapturedStates, decode_capture_body, encode_capture_body
-from shared.kinds.extract import commit_sample
-from shared.schemas import JobRecord, SampleInput
-from shared.shard_format import encode_sample, validate_capture, write_sample
-from shared.storage import open_storage
+from shared.capture.protocol import CapturedStates, decode_capture_body, encode_capture_body
+from shared.lifecycle.kinds.extract import commit_sample
+from shared.lifecycle.schemas import JobRecord, SampleInput
+from shared.storage.objects import open_storage
+from shared.storage.sample_format import encode_sample, validate_capture, write_sample
 
 
 def run_pipeline(bodies: list[bytes], samples: list[SampleInput], job: JobRecord, root: Path, threads: int) -> float:

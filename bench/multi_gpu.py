@@ -39,14 +39,14 @@ from safetensors.torch import save_file
 
 from bench.capture_model import capture_model
 from bench.common import bench_job, in_processes, reference_server
-from shared import layout
-from shared.capture_protocol import default_aux_layer_ids
-from shared.inference_client import InferenceClient
-from shared.kinds.extract import capture_and_write, describe_sample
-from shared.schemas import JobRecord, Manifest, SampleInput, utc_now
-from shared.shard_format import encode_sample
-from shared.storage import FileStorage
-from shared.vocab import build_vocab_mapping, vocab_mapping_bytes
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import default_aux_layer_ids
+from shared.data.vocab import build_vocab_mapping, vocab_mapping_bytes
+from shared.lifecycle.kinds.extract import capture_and_write, describe_sample
+from shared.lifecycle.schemas import JobRecord, Manifest, SampleInput, utc_now
+from shared.storage import layout
+from shared.storage.objects import FileStorage
+from shared.storage.sample_format import encode_sample
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

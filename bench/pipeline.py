@@ -17,16 +17,17 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import LocalStack
-from shared import layout, progress
-from shared.capture_protocol import default_aux_layer_ids
-from shared.datasets import Conversation, read_dataset
-from shared.demo_data import write_demo_dataset
-from shared.inference_client import InferenceClient
-from shared.model_assets import resolve_model_path
-from shared.schemas import Manifest
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import default_aux_layer_ids
+from shared.data.datasets import Conversation, read_dataset
+from shared.data.demo_data import write_demo_dataset
+from shared.data.model_assets import resolve_model_path
+from shared.data.tokenization import ChatTokenizer
+from shared.lifecycle import progress
+from shared.lifecycle.schemas import Manifest
 from shared.settings import Settings
-from shared.storage import open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import open_storage
 
 
 def direct_rate(url: str, prompts: list[list[int]], aux_layer_ids: list[int], concurrency: int) -> float:

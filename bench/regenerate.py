@@ -24,14 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import LocalStack
-from shared import layout, progress
-from shared.datasets import Conversation, Message
-from shared.demo_data import write_demo_dataset
-from shared.inference_client import InferenceClient
-from shared.model_assets import resolve_model_path
+from shared.capture.client import InferenceClient
+from shared.data.datasets import Conversation, Message
+from shared.data.demo_data import write_demo_dataset
+from shared.data.model_assets import resolve_model_path
+from shared.data.tokenization import ChatTokenizer
+from shared.lifecycle import progress
 from shared.settings import Settings
-from shared.storage import open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import open_storage
 
 
 def turn_prompts(output: list[dict], tokenizer: ChatTokenizer) -> list[list[int]]:

@@ -54,7 +54,7 @@ from bench.capture import (
 from bench.capture_model import capture_model
 from eagle3.local_stack import free_port
 from eagle3.server_process import server_process, stock_argv
-from shared.inference_client import InferenceClient
+from shared.capture.client import InferenceClient
 
 # What the plugin's launcher also passes (eagle3_sglang_plugin.launch), so that the stock server runs the same
 # prefills: token ids in and out, whole prompts in one forward, no prefix cache.

@@ -30,11 +30,11 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.common import bench_job
-from shared.datasets import Conversation
-from shared.inference_client import InferenceClient
-from shared.kinds.regenerate import PromptRenderer, regenerate_conversation, sampling_params
-from shared.schemas import ChatMessage, ConversationInput, ConversationResult, JobRecord, JobSpec
-from shared.tokenization import ChatTokenizer
+from shared.capture.client import InferenceClient
+from shared.data.datasets import Conversation
+from shared.data.tokenization import ChatTokenizer
+from shared.lifecycle.kinds.regenerate import PromptRenderer, regenerate_conversation, sampling_params
+from shared.lifecycle.schemas import ChatMessage, ConversationInput, ConversationResult, JobRecord, JobSpec
 
 
 def read_conversations(path: Path, limit: int) -> list[ConversationInput]:

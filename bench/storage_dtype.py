@@ -26,14 +26,15 @@ from eagle3.local_stack import free_port
 from services.trainer.config import TrainConfig
 from services.trainer.evaluate import acceptance_table, evaluate_prompt_files
 from services.trainer.train import train
-from shared import jobs, layout, shards
-from shared.demo_data import write_demo_dataset
-from shared.inference_client import InferenceClient
-from shared.kinds import EXTRACT
-from shared.model_assets import resolve_model_path
-from shared.schemas import JobSpec, Manifest
+from shared.capture.client import InferenceClient
+from shared.data.demo_data import write_demo_dataset
+from shared.data.model_assets import resolve_model_path
+from shared.lifecycle import jobs, shards
+from shared.lifecycle.kinds import EXTRACT
+from shared.lifecycle.schemas import JobSpec, Manifest
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage import layout
+from shared.storage.objects import open_storage
 
 STORAGE_DTYPES = ("bfloat16", "fp8_e4m3")
 

@@ -6,7 +6,7 @@ from typing import Any
 import httpx
 
 from shared import access
-from shared.schemas import Progress
+from shared.lifecycle.schemas import Progress
 from shared.settings import Settings
 
 

@@ -25,7 +25,7 @@ def cmd_inference(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_prepare_model(args: argparse.Namespace, settings: Settings) -> None:
-    from shared.model_assets import resolve_model_path
+    from shared.data.model_assets import resolve_model_path
 
     print(resolve_model_path(args.model))
 

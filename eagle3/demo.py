@@ -16,10 +16,10 @@ import httpx
 from eagle3.api import check
 from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
 from eagle3.local_stack import LocalStack, free_port
-from shared.demo_data import write_demo_dataset
+from shared.data.demo_data import write_demo_dataset
+from shared.data.model_assets import resolve_model_path
 from shared.errors import Eagle3Error
-from shared.model_assets import resolve_model_path
-from shared.schemas import Progress as JobProgress
+from shared.lifecycle.schemas import Progress as JobProgress
 from shared.settings import Settings
 
 # Held back from the time budget for the held-out and measured evaluation of both drafters and the export.

@@ -1,4 +1,4 @@
-"""`eagle3 doctor`: shared/doctor.py's checks, wired here (the composition root) to the trainer's one-step probe."""
+"""`eagle3 doctor`: shared/ops/doctor.py's checks, wired here (the composition root) to the trainer's one-step probe."""
 
 import argparse
 import tempfile
@@ -10,8 +10,8 @@ from rich.table import Table
 from shared.errors import Eagle3Error
 from shared.settings import Settings
 
-if TYPE_CHECKING:  # shared.doctor imports torch: every `eagle3` command (the worker probe too) would pay for it
-    from shared.doctor import Check
+if TYPE_CHECKING:  # shared.ops.doctor imports torch: every `eagle3` command (the worker probe too) would pay for it
+    from shared.ops.doctor import Check
 
 _STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -56,8 +56,8 @@ def print_table(checks: "list[Check]", console: Console) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace, settings: Settings) -> None:
-    from shared import doctor
-    from shared.model_assets import resolve_model_path
+    from shared.data.model_assets import resolve_model_path
+    from shared.ops import doctor
 
     model = args.model or (str(settings.model_path) if settings.model_path else None)
     if model is None:

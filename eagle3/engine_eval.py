@@ -340,8 +340,8 @@ def evaluate_on_engine(
 ) -> dict[str, Any]:
     from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
     from services.trainer.evaluate import prompts_from_file, untrained_drafter
-    from shared.storage import open_storage
-    from shared.tokenization import ChatTokenizer
+    from shared.data.tokenization import ChatTokenizer
+    from shared.storage.objects import open_storage
 
     storage = open_storage(settings.storage_url, settings)
     checkpoint = load_checkpoint(ref, storage)

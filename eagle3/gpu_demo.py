@@ -32,13 +32,13 @@ from eagle3.engine_eval import (
 )
 from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
 from eagle3.local_stack import LocalStack, free_port
-from shared import layout
-from shared.datasets import Conversation, read_dataset
+from shared.data.datasets import Conversation, read_dataset
+from shared.data.model_assets import resolve_model_path
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError, Eagle3Error
-from shared.model_assets import resolve_model_path
 from shared.settings import Settings
-from shared.storage import open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import open_storage
 
 SGLANG_START_TIMEOUT_S = 900.0  # kernels compile and CUDA graphs are captured at first start
 # Chains of 7, 5 and 3 drafts: a small target's verify step is cheap, so a shorter chain can serve faster.
@@ -223,7 +223,7 @@ def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[P
     """The training prompts and the held-out evaluation sets: given, or the mix built from installed packages."""
     if args.dataset:
         return Path(args.dataset).resolve(), [Path(f).resolve() for f in args.eval_prompts_file]
-    from shared.prompt_mix import build_prompt_mix
+    from shared.data.prompt_mix import build_prompt_mix
 
     try:
         mix = build_prompt_mix(demo_dir / "prompts", train_prompts=args.prompts, eval_prompts=args.holdout_prompts)

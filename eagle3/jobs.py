@@ -21,8 +21,8 @@ from eagle3.api import api_client, check, list_progress, read_progress
 from eagle3.local_stack import LocalStack
 from shared import access
 from shared.errors import Eagle3Error
-from shared.schemas import JobSpec
-from shared.schemas import Progress as JobProgress
+from shared.lifecycle.schemas import JobSpec
+from shared.lifecycle.schemas import Progress as JobProgress
 from shared.settings import Settings
 
 console = Console()

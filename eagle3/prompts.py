@@ -1,5 +1,5 @@
 """`eagle3 prompts`: a broad training prompt mix (chat, code, instructions) built offline, for a regenerate job
-(shared/prompt_mix.py does the work)."""
+(shared/data/prompt_mix.py does the work)."""
 
 import argparse
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from shared.prompt_mix import DEFAULT_MIX, SOURCES, PromptMixFiles, build_prompt_mix, parse_mix
+from shared.data.prompt_mix import DEFAULT_MIX, SOURCES, PromptMixFiles, build_prompt_mix, parse_mix
 from shared.settings import Settings
 
 

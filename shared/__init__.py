@@ -1,3 +1,4 @@
-"""The library every service imports: settings, schemas, storage, tokenization, extraction, progress."""
+"""The library every service imports. Settings, errors and access rules at the top; the packages beside them:
+lifecycle (jobs, kinds, shards, leases, recovery, progress), capture, storage, data and ops."""
 
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ class Provenance(BaseModel):
     aux_layer_convention: str = AUX_LAYER_CONVENTION
     final_state: Literal["post_norm"] = "post_norm"
     dtype: str  # of the capture, as the inference server returns it
-    storage_dtype: str  # at rest (shared/shard_format.py)
+    storage_dtype: str  # at rest (shared/storage/sample_format.py)
     vocab_mapping_sha256: str
 
 

@@ -8,10 +8,10 @@ from fastapi import Depends, HTTPException, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from shared import access
-from shared.jobs import Enqueue
-from shared.queue import ShardSender
+from shared.lifecycle.jobs import Enqueue
+from shared.lifecycle.queue import ShardSender
 from shared.settings import Settings, get_settings
-from shared.storage import Storage, open_storage
+from shared.storage.objects import Storage, open_storage
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 # What a client is told to wait before asking again while Redis or storage is down (a restart takes seconds).

@@ -6,7 +6,8 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from shared import cluster, progress, shard_metrics, timeline
+from shared.lifecycle import progress, shard_metrics
+from shared.ops import cluster, timeline
 from shared.settings import Settings
 
 _GAUGES = {

@@ -28,10 +28,10 @@ from torch import Tensor, nn
 from services.trainer.config import TrainConfig
 from services.trainer.data import DataPosition, DataStats
 from services.trainer.drafter import DrafterConfig, Eagle3Drafter, TargetHead, build_drafter
-from shared import layout
+from shared.data.vocab import VocabMapping
 from shared.errors import ConfigurationError
-from shared.storage import ObjectNotFound, Storage
-from shared.vocab import VocabMapping
+from shared.storage import layout
+from shared.storage.objects import ObjectNotFound, Storage
 
 logger = logging.getLogger(__name__)
 

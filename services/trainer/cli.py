@@ -14,8 +14,8 @@ from shared.settings import Settings
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer.config import config_from_args
     from services.trainer.train import train
-    from shared.kinds.regenerate import training_job_id
-    from shared.storage import open_storage
+    from shared.lifecycle.kinds.regenerate import training_job_id
+    from shared.storage.objects import open_storage
 
     # A regenerate job (then_extract) trains on its chained extraction job; following, wait for it to be submitted.
     job_id = training_job_id(

@@ -41,12 +41,13 @@ from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, Field
 
 from services.trainer.loss import Batch
-from shared import layout, progress
-from shared.capture_protocol import NUM_AUX_LAYERS
+from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
-from shared.schemas import JobRecord, Manifest, ManifestSample
-from shared.shard_format import HIDDEN_DTYPE, InvalidCapture, decode_sample
-from shared.storage import ObjectNotFound, Storage
+from shared.lifecycle import progress
+from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
+from shared.storage import layout
+from shared.storage.objects import ObjectNotFound, Storage
+from shared.storage.sample_format import HIDDEN_DTYPE, InvalidCapture, decode_sample
 
 logger = logging.getLogger(__name__)
 

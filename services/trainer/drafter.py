@@ -54,9 +54,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from shared.capture_protocol import NUM_AUX_LAYERS
+from shared.capture.protocol import NUM_AUX_LAYERS
+from shared.data.vocab import VocabMapping
 from shared.errors import ConfigurationError
-from shared.vocab import VocabMapping
 
 logger = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from services.trainer.data import PlannedBatch, SampleLoader, ShardFollower, Tar
 from services.trainer.drafter import Eagle3Drafter, TargetHead, build_drafter, read_target_config
 from services.trainer.loss import Batch, ttt_loss
 from services.trainer.speculative import AcceptanceResult, measure_acceptance
-from shared.datasets import InvalidRecord, iter_dataset_file
+from shared.data.datasets import InvalidRecord, iter_dataset_file
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError
-from shared.jobs import load_job
+from shared.lifecycle.jobs import load_job
 from shared.provenance import check_same
 from shared.settings import Settings
-from shared.storage import open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage.objects import open_storage
 
 logger = logging.getLogger(__name__)
 

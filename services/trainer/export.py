@@ -42,7 +42,7 @@ from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
 from services.trainer.drafter import DrafterConfig, Eagle3Drafter, load_target_embeddings
 from shared.errors import ConfigurationError
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 
 logger = logging.getLogger(__name__)
 

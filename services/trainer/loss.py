@@ -15,7 +15,7 @@ EAGLE-3's TTT mask: step i at row t sees step 0's causal prefix (real target fea
 1..i (see `drafter.ttt_attention`), which is what the drafter's KV cache holds when it drafts i tokens ahead.
 
 Which rows count. `loss_mask[k] == 1` marks the tokens the drafter must learn to predict (assistant content and its
-end-of-turn, `shared/tokenization.py`), so row t at step i counts iff the token it predicts, x_{t+2+i}, is inside
+end-of-turn, `shared/data/tokenization.py`), so row t at step i counts iff the token it predicts, x_{t+2+i}, is inside
 the sequence, not padding, and in the loss mask. SpecForge instead shifts the mask with the input ids
 (`loss_mask[t+i]`); we gate on the predicted token because that is what our mask means. Following EAGLE-3, a row
 whose target greedy token is outside the draft vocabulary adds nothing to the loss (the drafter can never propose

@@ -66,13 +66,14 @@ from services.trainer.step import (
     place_models,
     train_step,
 )
-from shared import layout, progress
-from shared.jobs import load_job
+from shared.data.vocab import load_vocab_mapping
+from shared.lifecycle import progress
+from shared.lifecycle.jobs import load_job
+from shared.lifecycle.schemas import JobRecord, utc_now
 from shared.provenance import check_same, sha256_bytes, target_identity
-from shared.schemas import JobRecord, utc_now
 from shared.settings import Settings
-from shared.storage import Storage, open_storage
-from shared.vocab import load_vocab_mapping
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from celery import Celery
 
-from shared.queue import SHARD_QUEUE
+from shared.lifecycle.queue import SHARD_QUEUE
 from shared.settings import get_settings
 
 settings = get_settings()

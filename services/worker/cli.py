@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from shared.queue import SHARD_QUEUE
+from shared.lifecycle.queue import SHARD_QUEUE
 from shared.settings import Settings
 
 

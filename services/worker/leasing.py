@@ -1,5 +1,5 @@
-"""Shard leases in the worker (the logic is shared/leases.py): taken when a shard message is received, renewed by
-the worker's main process while it holds the message, released when the message is acknowledged or returned.
+"""Shard leases in the worker (the logic is shared/lifecycle/leases.py): taken when a shard message is received,
+renewed by the worker's main process while it holds the message, released when the message is acknowledged or returned.
 
 Everything runs in the main process, which is the one that holds the broker message:
 
@@ -16,8 +16,9 @@ Everything runs in the main process, which is the one that holds the broker mess
 A worker killed whole stops renewing, so its shards run again `shard_lease_s` plus at most one reaper interval
 after its last renewal: 75 s by default.
 
-The reaper also runs the recovery checks of shared/recovery.py: Redis that lost its state (its jobs are registered
-and published again from storage), and a job whose producer died while enqueueing its shards (the rest is enqueued).
+The reaper also runs the recovery checks of shared/lifecycle/recovery.py: Redis that lost its state (its jobs are
+registered and published again from storage), and a job whose producer died while enqueueing its shards (the rest is
+enqueued).
 """
 
 import logging
@@ -32,10 +33,10 @@ from celery import bootsteps, signals
 from celery.exceptions import Retry
 from celery.worker.request import Request
 
-from shared import leases, recovery
-from shared.queue import ShardSender
+from shared.lifecycle import leases, recovery
+from shared.lifecycle.queue import ShardSender
 from shared.settings import get_settings
-from shared.storage import Storage, open_storage
+from shared.storage.objects import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What a worker tells the rest of the cluster through Redis: that it is alive (a beat every
 `worker_heartbeat_interval_s` from the consumer's event loop), which shards it holds (task start and end), and how
-each shard went (latency, bytes, failures by reason) for /metrics and the dashboard. See shared/cluster.py and
-shared/shard_metrics.py.
+each shard went (latency, bytes, failures by reason) for /metrics and the dashboard. See shared/ops/cluster.py and
+shared/lifecycle/shard_metrics.py.
 
 None of this may break a task: a Redis error here is logged and the task goes on.
 """
@@ -15,7 +15,8 @@ from typing import Any
 import redis
 from celery import Task, bootsteps, signals
 
-from shared import cluster, shard_metrics
+from shared.lifecycle import shard_metrics
+from shared.ops import cluster
 from shared.settings import get_settings
 
 logger = logging.getLogger(__name__)

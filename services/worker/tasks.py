@@ -1,4 +1,4 @@
-"""Celery tasks: one per job kind, each running the shared shard lifecycle (shared/shards.py) for its kind.
+"""Celery tasks: one per job kind, each running the shared shard lifecycle (shared/lifecycle/shards.py) for its kind.
 Retries only the transient errors; a shard that fails for good leaves a dead letter with its reason.
 
 A shard never ends without an outcome the job can see: committed, dead-lettered, or a message that runs it again
@@ -15,10 +15,10 @@ from celery import Task
 from celery.exceptions import Retry
 
 from services.worker.celery_app import app, settings
-from shared import progress, shards
 from shared.errors import QueueUnavailable, StorageFull, StorageUnavailable, TransientError
-from shared.kinds import KINDS, JobKind
-from shared.storage import open_storage
+from shared.lifecycle import progress, shards
+from shared.lifecycle.kinds import KINDS, JobKind
+from shared.storage.objects import open_storage
 
 logger = logging.getLogger(__name__)
 LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends with its message

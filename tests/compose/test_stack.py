@@ -26,15 +26,15 @@ from typing import Any
 import httpx
 import pytest
 
-from shared import layout
-from shared.datasets import Conversation, read_dataset
-from shared.demo_data import write_demo_dataset
+from shared.data.datasets import Conversation, read_dataset
+from shared.data.demo_data import write_demo_dataset
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import InvalidSample
-from shared.jobs import load_job
-from shared.schemas import JobRecord, Manifest
-from shared.shard_format import decode_sample
-from shared.storage import Storage, open_storage
-from shared.tokenization import ChatTokenizer
+from shared.lifecycle.jobs import load_job
+from shared.lifecycle.schemas import JobRecord, Manifest
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
+from shared.storage.sample_format import decode_sample
 from tests.compose.conftest import TIMINGS_S
 from tests.fixtures.processes import free_port
 from tests.reference_checks import HFReference, assert_matches_layers
@@ -55,7 +55,7 @@ JOBS: dict[str, str] = {}
 EXPORT_JOB = """
 import io, sys, tarfile
 from shared.settings import get_settings
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 settings = get_settings()
 storage = open_storage(settings.storage_url, settings)
 with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
@@ -317,11 +317,11 @@ def held_shard_container(logs: str, job_id: str) -> str | None:
 
 def test_killed_worker_shard_is_recovered_and_committed_once(stack: Stack, tmp_path: Path) -> None:
     try:
-        import shared.leases  # noqa: F401
+        import shared.lifecycle.leases  # noqa: F401
     except ImportError:
         pytest.skip(
-            "shard leases (shared/leases.py) are not in this checkout: without them a killed worker's shard waits "
-            "out the 4-hour visibility timeout"
+            "shard leases (shared/lifecycle/leases.py) are not in this checkout: without them a killed worker's shard "
+            "waits out the 4-hour visibility timeout"
         )
     dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=2)
     job = stack.submit(dataset, shard_token_budget=256)

@@ -5,7 +5,7 @@ from typing import Any
 import httpx
 import torch
 
-from shared.capture_protocol import ModelInfo
+from shared.capture.protocol import ModelInfo
 
 TIMEOUT_S = 120.0
 FIRST_ORDINARY_TOKEN = 4  # ids below are special tokens in the tiny tokenizer; an early end-of-sequence stops decoding

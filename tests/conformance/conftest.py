@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from shared.capture_protocol import ModelInfo
-from shared.inference_client import InferenceClient
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import ModelInfo
 from tests.conformance.hf_reference import HFReference
 from tests.fixtures.reference_server import run_reference_server
 

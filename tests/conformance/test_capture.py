@@ -5,8 +5,8 @@ from typing import Any
 import pytest
 import torch
 
-from shared.capture_protocol import CAPTURE_CONTENT_TYPE, CapturedStates, ModelInfo, decode_capture_body
-from shared.inference_client import InferenceClient
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import CAPTURE_CONTENT_TYPE, CapturedStates, ModelInfo, decode_capture_body
 from tests.conformance.builders import (
     alternative_layer_ids,
     capturable,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from shared.capture_protocol import CAPTURE_CONTENT_TYPE, ModelInfo
-from shared.inference_client import InferenceClient
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import CAPTURE_CONTENT_TYPE, ModelInfo
 from tests.conformance.builders import post_generate, random_prompt
 from tests.conformance.conftest import ServerUnderTest
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import httpx
 
-from shared.capture_protocol import ModelInfo
+from shared.capture.protocol import ModelInfo
 from tests.conformance.conftest import ServerUnderTest
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from shared.capture_protocol import ModelInfo
+from shared.capture.protocol import ModelInfo
 from tests.conformance.builders import capture_body, error_message, post_generate, random_prompt
 from tests.conformance.conftest import ServerUnderTest
 

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.queue import SHARD_QUEUE
+from shared.lifecycle.queue import SHARD_QUEUE
 from shared.settings import Settings
 from tests.deploy.tools import EAGLE3_IMAGE, K8S, OVERLAYS, find, parse_eagle3_command, render_kustomization
 

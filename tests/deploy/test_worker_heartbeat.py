@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from shared.queue import SHARD_QUEUE
+from shared.lifecycle.queue import SHARD_QUEUE
 from tests.fixtures.processes import wait_until
 
 INTERVAL_S = 0.3

@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from shared.queue import SHARD_QUEUE, task_name
+from shared.lifecycle.queue import SHARD_QUEUE, task_name
 from shared.settings import Settings
 from tests.fixtures.processes import wait_until
 

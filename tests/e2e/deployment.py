@@ -13,10 +13,11 @@ import pytest
 import redis
 
 from eagle3.local_stack import LocalStack
-from shared import layout, progress
-from shared.schemas import Manifest, Progress
+from shared.lifecycle import progress
+from shared.lifecycle.schemas import Manifest, Progress
 from shared.settings import Settings
-from shared.storage import Storage, open_storage
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 
 
 class Deployment:

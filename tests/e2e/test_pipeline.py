@@ -12,14 +12,15 @@ import httpx
 import pytest
 from celery import Celery
 
-from shared import layout, progress
-from shared.datasets import Conversation, read_dataset
+from shared.data.datasets import Conversation, read_dataset
+from shared.data.tokenization import ChatTokenizer
+from shared.data.vocab import load_vocab_mapping
 from shared.errors import InvalidSample
-from shared.queue import SHARD_QUEUE, task_name
-from shared.shard_format import decode_sample
-from shared.shards import load_job, load_shard_input
-from shared.tokenization import ChatTokenizer
-from shared.vocab import load_vocab_mapping
+from shared.lifecycle import progress
+from shared.lifecycle.queue import SHARD_QUEUE, task_name
+from shared.lifecycle.shards import load_job, load_shard_input
+from shared.storage import layout
+from shared.storage.sample_format import decode_sample
 from tests.datasets import BAD_LINES, write_dataset
 from tests.e2e.deployment import Deployment, deploy
 from tests.fixtures.processes import broker_drained, wait_until

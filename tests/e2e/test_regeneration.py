@@ -13,8 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from shared import layout, progress
-from shared.datasets import Conversation, InvalidRecord, read_dataset
+from shared.data.datasets import Conversation, InvalidRecord, read_dataset
+from shared.lifecycle import progress
+from shared.storage import layout
 from tests.datasets import BAD_LINES
 from tests.e2e.deployment import Deployment, deploy
 from tests.fixtures.processes import broker_drained

@@ -13,10 +13,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shared import layout
-from shared.jobs import load_job
-from shared.schemas import Manifest
-from shared.storage import ObjectNotFound, Storage
+from shared.lifecycle.jobs import load_job
+from shared.lifecycle.schemas import Manifest
+from shared.storage import layout
+from shared.storage.objects import ObjectNotFound, Storage
 
 # The job's own files besides its manifests and the sample files they name.
 _OWN_FILES = re.compile(

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from eagle3.local_stack import LocalStack
-from shared.demo_data import write_demo_dataset
+from shared.data.demo_data import write_demo_dataset
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 from tests.faults import report
 from tests.faults.stack import FaultStack
 from tests.fixtures.processes import free_port

@@ -15,10 +15,11 @@ import psutil
 import redis
 
 from eagle3.local_stack import LocalStack
-from shared import layout, leases, progress
-from shared.schemas import Progress
+from shared.lifecycle import leases, progress
+from shared.lifecycle.schemas import Progress
 from shared.settings import Settings
-from shared.storage import Storage
+from shared.storage import layout
+from shared.storage.objects import Storage
 
 
 class FaultStack:

@@ -15,10 +15,11 @@ import httpx
 import pytest
 import redis
 
-from shared import layout, progress, recovery
-from shared.demo_data import write_demo_dataset
-from shared.schemas import Manifest
+from shared.data.demo_data import write_demo_dataset
+from shared.lifecycle import progress, recovery
+from shared.lifecycle.schemas import Manifest
 from shared.settings import Settings
+from shared.storage import layout
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack
 from tests.faults.stack import FaultStack, wait_for

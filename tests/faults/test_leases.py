@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import layout, leases, progress
-from shared.storage import open_storage
+from shared.lifecycle import leases, progress
+from shared.storage import layout
+from shared.storage.objects import open_storage
 
 
 def lease(shard_index: int = 3, holder: str = "host:1:aa", tag: str = "tag-1") -> leases.Lease:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from shared import layout
 from shared.errors import StorageUnavailable
-from shared.schemas import DeadLetter, Progress
+from shared.lifecycle.schemas import DeadLetter, Progress
+from shared.storage import layout
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack, own_weed_env
 from tests.faults.fault_proxy import Fault, FaultProxy, fault_proxy

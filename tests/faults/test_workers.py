@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.queue import ShardSender
+from shared.lifecycle.queue import ShardSender
 from shared.settings import Settings
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack

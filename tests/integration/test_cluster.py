@@ -8,9 +8,10 @@ import pytest
 import redis
 from celery import Celery
 
-from shared import cluster, progress, shard_metrics, timeline
-from shared.queue import SHARD_QUEUE, ShardSender, task_id, task_name
-from shared.schemas import DeadLetter, Manifest
+from shared.lifecycle import progress, shard_metrics
+from shared.lifecycle.queue import SHARD_QUEUE, ShardSender, task_id, task_name
+from shared.lifecycle.schemas import DeadLetter, Manifest
+from shared.ops import cluster, timeline
 from shared.settings import Settings
 from tests.integration.test_progress import make_job as make_progress_job
 

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import jobs, layout, progress, shards
+from shared.capture.client import InferenceClient
 from shared.errors import ModelMismatch, ShardValidationError
-from shared.inference_client import InferenceClient
-from shared.kinds import EXTRACT
-from shared.schemas import JobSpec, Manifest
+from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kinds import EXTRACT
+from shared.lifecycle.schemas import JobSpec, Manifest
 from shared.settings import Settings
-from shared.storage import Storage, open_storage
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 from tests.datasets import write_dataset
 from tests.fixtures.faulty_inference import faulty_proxy
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from shared.capture.client import InferenceClient
 from shared.errors import InferenceUnavailable
-from shared.inference_client import InferenceClient
 from tests.fixtures.processes import free_port, wait_until
 
 # /health answers at once; /generate takes SLOW_S, as a long prefill does.

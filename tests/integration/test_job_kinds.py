@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import jobs, layout, progress, shards
 from shared.errors import InferenceUnavailable, SubmitError
-from shared.kinds import KINDS, kind_of
-from shared.schemas import DeadLetter, JobSpec
+from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kinds import KINDS, kind_of
+from shared.lifecycle.schemas import DeadLetter, JobSpec
 from shared.settings import Settings
-from shared.storage import Storage, open_storage
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 from tests.datasets import write_dataset
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import redis
 
-from shared import layout, progress
-from shared.schemas import (
+from shared.lifecycle import progress
+from shared.lifecycle.schemas import (
     DeadLetter,
     JobRecord,
     JobSpec,
@@ -18,7 +18,8 @@ from shared.schemas import (
     ShardInput,
 )
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage import layout
+from shared.storage.objects import open_storage
 from tests.fixtures.processes import free_port, wait_until
 
 

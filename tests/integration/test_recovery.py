@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import layout, progress, recovery
-from shared.schemas import DeadLetter, JobRecord
-from shared.storage import Storage, open_storage
+from shared.lifecycle import progress, recovery
+from shared.lifecycle.schemas import DeadLetter, JobRecord
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 from tests.integration.test_progress import make_job, make_manifest
 
 

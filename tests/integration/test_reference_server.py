@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.inference.reference.engine import ReferenceEngine, compute_dtype
 from services.inference.reference.server import create_app
-from shared.capture_protocol import CAPTURE_CONTENT_TYPE, CapturedStates, decode_capture_body
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import CAPTURE_CONTENT_TYPE, CapturedStates, decode_capture_body
 from shared.errors import InferenceProtocolError, InferenceUnavailable
-from shared.inference_client import InferenceClient
 from shared.settings import Settings
 from tests.fixtures.processes import free_port
 

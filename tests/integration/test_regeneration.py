@@ -16,8 +16,8 @@ from eagle3 import jobs as jobs_cli
 from eagle3.cli import build_parser
 from services.producer.app import create_app
 from services.producer.deps import get_enqueue
-from shared import jobs, layout, progress, shards
-from shared.capture_protocol import ModelInfo
+from shared.capture.protocol import ModelInfo
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import (
     ConfigurationError,
     InferenceProtocolError,
@@ -25,12 +25,13 @@ from shared.errors import (
     ModelMismatch,
     SubmitError,
 )
-from shared.kinds import REGENERATE
-from shared.kinds import regenerate as regeneration
-from shared.schemas import JobRecord, JobSpec, RegenerationManifest
+from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kinds import REGENERATE
+from shared.lifecycle.kinds import regenerate as regeneration
+from shared.lifecycle.schemas import JobRecord, JobSpec, RegenerationManifest
 from shared.settings import Settings
-from shared.storage import Storage, open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 from tests.datasets import write_dataset
 
 API_TOKEN = "regeneration-test-token-0123456789"

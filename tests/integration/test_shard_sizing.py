@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import jobs, shard_metrics
-from shared.jobs import MAX_SIZED_SHARD_TOKENS, MIN_SIZED_SHARD_TOKENS, sized_shards
-from shared.schemas import JobSpec
+from shared.lifecycle import jobs, shard_metrics
+from shared.lifecycle.jobs import MAX_SIZED_SHARD_TOKENS, MIN_SIZED_SHARD_TOKENS, sized_shards
+from shared.lifecycle.schemas import JobSpec
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 from tests.datasets import write_dataset
 
 

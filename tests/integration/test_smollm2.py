@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.datasets import Conversation, Message, iter_dataset_file
-from shared.demo_data import write_demo_dataset
+from shared.data.datasets import Conversation, Message, iter_dataset_file
+from shared.data.demo_data import write_demo_dataset
+from shared.data.model_assets import COMPLETE_MARKER, ensure_smollm2, resolve_model_path
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError
-from shared.model_assets import COMPLETE_MARKER, ensure_smollm2, resolve_model_path
-from shared.tokenization import ChatTokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""shared.storage against a real directory and a real S3 server (SeaweedFS): the same behaviour from both."""
+"""shared.storage.objects against a real directory and a real S3 server (SeaweedFS): the same behaviour from both."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from botocore.stub import Stubber
 
 from shared.errors import Eagle3Error, StorageUnavailable
 from shared.settings import Settings
-from shared.storage import (
+from shared.storage.objects import (
     FileStorage,
     HashingWriter,
     InvalidKey,
@@ -356,7 +356,7 @@ def stubbed_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Storage, Stu
     storage = S3Storage("s3://eagle3-test/root", Settings(s3_endpoint_url="http://127.0.0.1:9"))
     stubber = Stubber(storage._client)
     stubber.activate()
-    monkeypatch.setattr("shared.storage.time.sleep", lambda s: None)
+    monkeypatch.setattr("shared.storage.objects.time.sleep", lambda s: None)
     yield storage, stubber
     stubber.deactivate()
 

@@ -7,8 +7,9 @@ import sys
 import pytest
 
 from eagle3.doctor import train_one_step
-from shared import doctor, progress
-from shared.storage import open_storage
+from shared.lifecycle import progress
+from shared.ops import doctor
+from shared.storage.objects import open_storage
 from tests.fixtures.processes import free_port
 from tests.ops.conftest import OpsStack
 

@@ -3,7 +3,7 @@ submitted through the API is planned with shards of that many seconds of it."""
 
 import pytest
 
-from shared import shard_metrics
+from shared.lifecycle import shard_metrics
 from tests.ops.conftest import OpsStack, RanJobs
 
 pytestmark = pytest.mark.slow

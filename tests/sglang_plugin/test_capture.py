@@ -20,7 +20,7 @@ from eagle3_sglang_plugin.capture import (
 from eagle3_sglang_plugin.http import wait_until_written
 from eagle3_sglang_plugin.protocol import CaptureFailed
 
-from shared.capture_protocol import read_capture_file
+from shared.capture.protocol import read_capture_file
 
 H = 8  # hidden size of the made-up batches
 

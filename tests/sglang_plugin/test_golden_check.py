@@ -5,7 +5,7 @@ from pathlib import Path
 import golden_check
 import torch
 
-from shared.capture_protocol import CapturedStates
+from shared.capture.protocol import CapturedStates
 
 L, H, N = 6, 4, 6
 

@@ -20,7 +20,7 @@ from eagle3_sglang_plugin.capture import CAPTURE_META_KEY, CaptureTicket
 from eagle3_sglang_plugin.config import PluginConfig
 from eagle3_sglang_plugin.http import wait_until_written
 
-from shared.capture_protocol import read_capture_file
+from shared.capture.protocol import read_capture_file
 
 H = 4
 

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from shared.capture_protocol import CAPTURE_CONTENT_TYPE, ModelInfo, decode_capture_body, read_capture_file
+from shared.capture.protocol import CAPTURE_CONTENT_TYPE, ModelInfo, decode_capture_body, read_capture_file
 from tests.reference_checks import relative_error
 
 CAPTURE_IDS = [1, 3, 4]  # the tiny model's EAGLE-3 defaults, fixed at "launch"
@@ -289,7 +289,7 @@ def test_a_server_that_cannot_capture_answers_model_info_as_stock_sglang(http: T
 
 
 def test_the_capture_body_parses_as_the_reference_server_would(http: TestClient) -> None:
-    # The same JSON the worker's client sends (shared/inference_client.py: capture).
+    # The same JSON the worker's client sends (shared/capture/client.py: capture).
     body = json.dumps(capture_body([5, 6, 7], CAPTURE_IDS, rid="job-1/shard-0/sample-7", extra_key="0123abcd"))
 
     response = http.post("/generate", content=body, headers={"content-type": "application/json"})

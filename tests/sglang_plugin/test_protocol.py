@@ -14,7 +14,7 @@ from eagle3_sglang_plugin.protocol import (
     sglang_generate_kwargs,
 )
 
-from shared.capture_protocol import InvalidRequest, ModelInfo, request_ids
+from shared.capture.protocol import InvalidRequest, ModelInfo, request_ids
 
 LIMITS = ModelLimits(
     num_hidden_layers=8, hidden_size=64, vocab_size=512, max_context_length=1023, capture_aux_layer_ids=[1, 3, 4]

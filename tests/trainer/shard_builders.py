@@ -10,12 +10,13 @@ import redis
 import torch
 from torch import nn
 
-from shared import jobs, layout, progress
-from shared.kinds.extract import describe_sample
-from shared.schemas import DeadLetter, JobRecord, JobSpec, Manifest, utc_now
+from shared.lifecycle import jobs, progress
+from shared.lifecycle.kinds.extract import describe_sample
+from shared.lifecycle.schemas import DeadLetter, JobRecord, JobSpec, Manifest, utc_now
 from shared.settings import Settings
-from shared.shard_format import encode_sample
-from shared.storage import Storage
+from shared.storage import layout
+from shared.storage.objects import Storage
+from shared.storage.sample_format import encode_sample
 from tests.datasets import write_dataset
 
 

@@ -20,7 +20,7 @@ from services.trainer.config import TrainConfig
 from services.trainer.data import DataPosition, DataStats
 from services.trainer.drafter import DrafterConfig
 from shared.errors import ConfigurationError
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 
 
 def small_checkpoint(step: int = 7) -> Checkpoint:

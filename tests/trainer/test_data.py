@@ -24,9 +24,9 @@ from services.trainer.data import (
     heldout_shards,
     plan_all,
 )
-from shared import layout
-from shared.schemas import JobRecord, Manifest, ManifestSample
-from shared.storage import Storage, open_storage
+from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 from tests.trainer.shard_builders import commit_random_shard, dead_letter_shard, plan_job
 
 

@@ -14,7 +14,7 @@ import torch
 from services.trainer.config import TrainConfig
 from services.trainer.train import train
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 from tests.trainer.shard_builders import ExtractedJob
 
 pytestmark = pytest.mark.slow

@@ -22,8 +22,8 @@ from services.trainer.drafter import (
     ttt_attention,
     ttt_attention_sdpa,
 )
+from shared.data.vocab import VocabMapping, build_vocab_mapping
 from shared.errors import ConfigurationError
-from shared.vocab import VocabMapping, build_vocab_mapping
 
 AUX_LAYER_IDS = [1, 3, 4]  # the default [1, N//2 - 1, N - 4] for the 8-layer tiny target
 DRAFT_VOCAB = 128

@@ -29,7 +29,7 @@ from services.trainer.speculative import (
     measure_acceptance,
     speculative_generate,
 )
-from shared.vocab import build_vocab_mapping
+from shared.data.vocab import build_vocab_mapping
 from tests.trainer.test_loss import AUX_LAYER_IDS, captured_batch
 
 NUM_DRAFT_TOKENS = 4

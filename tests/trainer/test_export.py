@@ -14,7 +14,7 @@ from transformers import AutoConfig
 
 from services.trainer.drafter import Eagle3Drafter, build_drafter, load_target_embeddings, read_target_config
 from services.trainer.export import SGLANG_KEYS, ExportError, export_sglang, load_sglang_export
-from shared.vocab import build_vocab_mapping
+from shared.data.vocab import build_vocab_mapping
 
 AUX_LAYER_IDS = [1, 3, 4]
 DRAFT_VOCAB = 128

@@ -27,7 +27,7 @@ from services.trainer.loss import (
     ttt_loss,
 )
 from services.trainer.speculative import aux_hidden_state
-from shared.vocab import VocabMapping, build_vocab_mapping
+from shared.data.vocab import VocabMapping, build_vocab_mapping
 
 AUX_LAYER_IDS = [1, 3, 4]
 

@@ -26,14 +26,14 @@ from services.trainer.data import IncompatibleJob, heldout_shards
 from services.trainer.evaluate import evaluate_checkpoint, prompts_from_file
 from services.trainer.export import export_checkpoint
 from services.trainer.train import train
-from shared import layout
-from shared.datasets import iter_dataset_file
+from shared.data.datasets import iter_dataset_file
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError
+from shared.lifecycle.schemas import Manifest
 from shared.provenance import IncompatibleProvenance, sha256_bytes
-from shared.schemas import Manifest
 from shared.settings import Settings
-from shared.storage import open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import open_storage
 from tests.trainer.shard_builders import ExtractedJob, commit_random_shard, plan_job
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

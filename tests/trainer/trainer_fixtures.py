@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared import shards
-from shared.inference_client import InferenceClient
-from shared.kinds import EXTRACT
+from shared.capture.client import InferenceClient
+from shared.lifecycle import shards
+from shared.lifecycle.kinds import EXTRACT
 from shared.settings import Settings
-from shared.storage import open_storage
+from shared.storage.objects import open_storage
 from tests.fixtures.reference_server import run_reference_server
 from tests.trainer.shard_builders import ExtractedJob, plan_job, sharpen_target
 

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PROCESS_MODULES = {"argparse", "subprocess", "fastapi", "uvicorn", "celery"}
-SEND_ONLY_CLIENT = Path("shared/queue.py")  # Celery as a message sender: no app of tasks, no worker settings
+SEND_ONLY_CLIENT = Path("shared/lifecycle/queue.py")  # Celery as a message sender: no app of tasks, no worker settings
 
 
 def imported_modules(source: str) -> set[str]:
@@ -64,10 +64,14 @@ def test_the_layout_keeps_its_rules() -> None:
 @pytest.mark.parametrize(
     ("path", "source"),
     [
-        pytest.param("shared/jobs.py", "from services.worker.celery_app import app", id="shared-imports-a-service"),
-        pytest.param("shared/jobs.py", "def f():\n    import subprocess\n", id="shared-spawns-processes"),
-        pytest.param("shared/storage.py", "from celery import Celery", id="celery-outside-the-send-only-client"),
-        pytest.param("shared/demo_data.py", "import eagle3.cli", id="shared-imports-the-composition-root"),
+        pytest.param(
+            "shared/lifecycle/jobs.py", "from services.worker.celery_app import app", id="shared-imports-a-service"
+        ),
+        pytest.param("shared/lifecycle/jobs.py", "def f():\n    import subprocess\n", id="shared-spawns-processes"),
+        pytest.param(
+            "shared/storage/objects.py", "from celery import Celery", id="celery-outside-the-send-only-client"
+        ),
+        pytest.param("shared/data/demo_data.py", "import eagle3.cli", id="shared-imports-the-composition-root"),
         pytest.param("services/producer/app.py", "from services.trainer import train", id="service-imports-service"),
         pytest.param(
             "services/worker/tasks.py", "from eagle3.local_stack import LocalStack", id="service-imports-root"

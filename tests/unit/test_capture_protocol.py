@@ -7,7 +7,7 @@ import safetensors.torch
 import torch
 from pydantic import ValidationError
 
-from shared.capture_protocol import (
+from shared.capture.protocol import (
     CapturedStates,
     CaptureSpec,
     GenerateRequest,

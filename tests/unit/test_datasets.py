@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.datasets import Conversation, InvalidRecord, Message, iter_dataset_file, read_dataset
+from shared.data.datasets import Conversation, InvalidRecord, Message, iter_dataset_file, read_dataset
 from shared.errors import InvalidSample
 
 GOOD = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]})

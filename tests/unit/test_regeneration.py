@@ -5,8 +5,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from shared import layout
-from shared.kinds.regenerate import (
+from shared.lifecycle.kinds.regenerate import (
     apply_reasoning,
     output_line,
     plan_conversation_shards,
@@ -15,7 +14,8 @@ from shared.kinds.regenerate import (
     split_reasoning,
     turn_seed,
 )
-from shared.schemas import ChatMessage, ConversationResult, JobSpec, TurnRecord
+from shared.lifecycle.schemas import ChatMessage, ConversationResult, JobSpec, TurnRecord
+from shared.storage import layout
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import io
 import pytest
 import torch
 
-from shared.shard_format import InvalidCapture, decode_sample, encode_sample, validate_capture
+from shared.storage.sample_format import InvalidCapture, decode_sample, encode_sample, validate_capture
 
 H = 8
 

@@ -1,7 +1,7 @@
-from shared.capture_protocol import default_aux_layer_ids
-from shared.kinds.extract import bytes_per_token, plan_shards
-from shared.layout import sample
-from shared.tokenization import TokenizedSample
+from shared.capture.protocol import default_aux_layer_ids
+from shared.data.tokenization import TokenizedSample
+from shared.lifecycle.kinds.extract import bytes_per_token, plan_shards
+from shared.storage.layout import sample
 
 
 def tokenized(n: int) -> TokenizedSample:

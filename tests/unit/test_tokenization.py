@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.datasets import Conversation, Message
+from shared.data.datasets import Conversation, Message
+from shared.data.tokenization import ChatTokenizer, TokenizedSample
 from shared.errors import ConfigurationError, InvalidSample
-from shared.tokenization import ChatTokenizer, TokenizedSample
 from tests.builders import CHATML_TEMPLATE
 
 

@@ -4,9 +4,8 @@ from collections import Counter
 import pytest
 import torch
 
-from shared.errors import ConfigurationError
-from shared.tokenization import TokenizedSample
-from shared.vocab import (
+from shared.data.tokenization import TokenizedSample
+from shared.data.vocab import (
     VocabMapping,
     VocabMappingError,
     build_vocab_mapping,
@@ -14,6 +13,7 @@ from shared.vocab import (
     load_vocab_mapping,
     vocab_mapping_bytes,
 )
+from shared.errors import ConfigurationError
 
 
 def sample(input_ids: list[int], loss_mask: list[int]) -> TokenizedSample:

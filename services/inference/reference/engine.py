@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 import shared
-from shared.capture_protocol import (
+from shared.capture.protocol import (
     CAPTURE_DTYPE,
     CapturedStates,
     CaptureSpec,

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.inference.reference.engine import EngineUnavailable, PromptResult, ReferenceEngine
-from shared.capture_protocol import (
+from shared.capture.protocol import (
     CAPTURE_CONTENT_TYPE,
     CapturedStates,
     GenerateRequest,

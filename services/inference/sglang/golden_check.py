@@ -2,7 +2,7 @@
 
     python services/inference/sglang/golden_check.py --url http://127.0.0.1:30000 --model-path /models/target
 
-Captures a few prompts of different lengths through the project's own client (`shared/inference_client.py`,
+Captures a few prompts of different lengths through the project's own client (`shared/capture/client.py`,
 concurrently, so the server batches them into one flattened forward), runs the same prompts through
 transformers, and prints for every captured layer the largest relative L2 error over the prompts against
 Hugging Face `output_hidden_states[id + 1]`, the layer the capture is nearest to, and the same for the final
@@ -32,9 +32,9 @@ if __package__ in (None, ""):
     if (_repo_root / "shared").is_dir() and str(_repo_root) not in sys.path:
         sys.path.insert(0, str(_repo_root))
 
-from shared.capture_protocol import CapturedStates
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import CapturedStates
 from shared.errors import Eagle3Error
-from shared.inference_client import InferenceClient
 
 AUX_REL_TOL = 0.05
 FINAL_REL_TOL = 0.08

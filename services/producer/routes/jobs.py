@@ -15,10 +15,11 @@ from services.producer.deps import (
     SettingsDep,
     StorageDep,
 )
-from shared import jobs, layout, progress
 from shared.errors import JobNotFound
-from shared.kinds import kind_of
-from shared.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
+from shared.lifecycle import jobs, progress
+from shared.lifecycle.kinds import kind_of
+from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
+from shared.storage import layout
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

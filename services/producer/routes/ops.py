@@ -9,9 +9,11 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel
 
 from services.producer.deps import Authorized, JobIdPath, RedisDep, SettingsDep, StorageDep
-from shared import cluster, inspection, jobs, layout, progress, timeline
 from shared.errors import JobNotFound
-from shared.schemas import DeadLetter, JobRecord, Progress
+from shared.lifecycle import jobs, progress
+from shared.lifecycle.schemas import DeadLetter, JobRecord, Progress
+from shared.ops import cluster, inspection, timeline
+from shared.storage import layout
 
 router = APIRouter(tags=["operations"])
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shared.capture_protocol import CAPTURE_DTYPE, CapturedStates, write_capture_file
+from shared.capture.protocol import CAPTURE_DTYPE, CapturedStates, write_capture_file
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from shared.capture_protocol import (
+from shared.capture.protocol import (
     CAPTURE_CONTENT_TYPE,
     CapturedStates,
     InvalidRequest,

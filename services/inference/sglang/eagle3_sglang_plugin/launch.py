@@ -37,7 +37,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from shared.capture_protocol import default_aux_layer_ids
+from shared.capture.protocol import default_aux_layer_ids
 
 from .config import PluginConfig, PluginConfigError, check_capture_layer_ids, parse_layer_ids
 

@@ -1,6 +1,6 @@
 """HTTP side of the capture: a protocol request in, SGLang's `GenerateReqInput` fields out, and back again.
 
-The request model, the request checks and the tensor hand-off are the project's (`shared/capture_protocol.py`,
+The request model, the request checks and the tensor hand-off are the project's (`shared/capture/protocol.py`,
 the same code the reference server runs), so a worker sees the same 400s from both backends. Two differences,
 both announced in `/get_model_info`:
 - The capture layers are fixed when SGLang starts (`--return-aux-hidden-state-layer-ids`: SGLang arms capture at
@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.capture_protocol import (
+from shared.capture.protocol import (
     CAPTURE_FILE_SUFFIX,
     GenerateRequest,
     InvalidRequest,
@@ -81,7 +81,7 @@ class CapturePlan:
 def plan_capture(body: Any, limits: ModelLimits) -> CapturePlan:
     """Validate a `/generate` body that carries `capture`; raises InvalidRequest naming the field.
 
-    The checks are the reference server's (`shared.capture_protocol.check_request`), plus what is SGLang's own:
+    The checks are the reference server's (`shared.capture.protocol.check_request`), plus what is SGLang's own:
     input ids only, and exactly the layers fixed at launch.
     """
     try:
@@ -223,7 +223,7 @@ def protocol_outputs(plan: CapturePlan, answer: Any) -> list[dict[str, Any]]:
 def model_info_answer(
     stock: dict[str, Any], limits: ModelLimits, *, dtype: str, version: str, sglang_version: str
 ) -> dict[str, Any]:
-    """SGLang's `/model_info` fields plus the protocol's (shared/capture_protocol.py: ModelInfo)."""
+    """SGLang's `/model_info` fields plus the protocol's (shared/capture/protocol.py: ModelInfo)."""
     return {
         **stock,
         "backend": "sglang",

@@ -1,6 +1,6 @@
 """A job of any kind, from the producer's side: submit (services up, model folder, job id, tokenizer, layer ids, the
 dataset with its rejected lines, the kind's plan, budget, plan files, job.json, one task per shard), resume and the
-job record's loading. What differs between kinds comes from shared/kinds/."""
+job record's loading. What differs between kinds comes from shared/lifecycle/kinds/."""
 
 import logging
 import secrets
@@ -16,16 +16,18 @@ import torch
 import transformers
 
 import shared
-from shared import access, layout, progress, recovery, shard_metrics
-from shared.datasets import InvalidRecord, read_dataset
+from shared import access
+from shared.data.datasets import InvalidRecord, read_dataset
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
-from shared.kinds import kind_of
-from shared.kinds.base import Target
-from shared.schemas import JobRecord, JobSpec, RejectedSample, utc_now
+from shared.lifecycle import progress, recovery, shard_metrics
+from shared.lifecycle.kinds import kind_of
+from shared.lifecycle.kinds.base import Target
+from shared.lifecycle.schemas import JobRecord, JobSpec, RejectedSample, utc_now
+from shared.lifecycle.shards import load_job, load_shard_input
 from shared.settings import Settings
-from shared.shards import load_job, load_shard_input
-from shared.storage import ObjectNotFound, Storage, open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import ObjectNotFound, Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +192,7 @@ def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
 def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue) -> None:
     """After every plan file: the job's index entry, job.json (create-only; a job whose job.json exists is fully
     planned), its progress counters, then one task per shard, checkpointed: a reaper finishes the enqueueing if this
-    process dies (shared/recovery.py)."""
+    process dies (shared/lifecycle/recovery.py)."""
     recovery.index_job(storage, job.job_id)
     if not storage.put_if_absent(layout.job_json(job.job_id), job.model_dump_json(indent=2).encode()):
         raise SubmitError(f"job {job.job_id} was created concurrently by another submit")

@@ -16,10 +16,17 @@ from pydantic import BaseModel
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from shared import layout
 from shared.errors import JobNotFound
-from shared.schemas import DeadLetter, JobRecord, Manifest, Progress, RegenerationManifest, RegenerationProgress
-from shared.storage import Storage
+from shared.lifecycle.schemas import (
+    DeadLetter,
+    JobRecord,
+    Manifest,
+    Progress,
+    RegenerationManifest,
+    RegenerationProgress,
+)
+from shared.storage import layout
+from shared.storage.objects import Storage
 
 logger = logging.getLogger(__name__)
 

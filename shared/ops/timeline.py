@@ -6,8 +6,8 @@ import time
 import redis
 from pydantic import BaseModel
 
-from shared import progress
-from shared.schemas import Progress
+from shared.lifecycle import progress
+from shared.lifecycle.schemas import Progress
 
 _PAGE = 5000  # stream entries read per round trip
 SMOOTHING_INTERVALS = 5  # a point's rate covers this many intervals: shards commit in bursts, not per interval

@@ -12,20 +12,20 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from shared import layout
-from shared.capture_protocol import CapturedStates
-from shared.datasets import Conversation
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import CapturedStates
+from shared.data.datasets import Conversation
+from shared.data.tokenization import TokenizedSample
+from shared.data.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
 from shared.errors import ShardValidationError
-from shared.inference_client import InferenceClient
-from shared.kinds.base import JobKind, JobPlan, Target, check_served_model
+from shared.lifecycle.kinds.base import JobKind, JobPlan, Target, check_served_model
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput, StorageDtype
+from shared.lifecycle.shards import ShardContext
 from shared.provenance import compute_provenance
-from shared.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput, StorageDtype
 from shared.settings import Settings
-from shared.shard_format import InvalidCapture, validate_capture, write_sample
-from shared.shards import ShardContext
-from shared.storage import ObjectDigest, Storage
-from shared.tokenization import TokenizedSample
-from shared.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
+from shared.storage import layout
+from shared.storage.objects import ObjectDigest, Storage
+from shared.storage.sample_format import InvalidCapture, validate_capture, write_sample
 
 # torch.save's zip container and the int64 input_ids/loss_mask add a little to the raw bf16 bytes.
 PER_SAMPLE_OVERHEAD_BYTES = 1536
@@ -199,7 +199,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
                     target.path,
                     chat_template_sha256=target.tokenizer.template_hash,
                     aux_layer_ids=target.aux_layer_ids,
-                    dtype="bfloat16",  # what every inference server returns (shared/shard_format.py HIDDEN_DTYPE)
+                    dtype="bfloat16",  # what every inference server returns (sample_format.HIDDEN_DTYPE)
                     storage_dtype=spec.storage_dtype,
                     vocab_mapping=mapping_bytes,
                 ),

@@ -24,12 +24,13 @@ from collections.abc import Callable
 
 import redis
 
-from shared import layout, progress
 from shared.errors import JobNotFound
-from shared.kinds import kind_of
-from shared.schemas import JobRecord
-from shared.shards import load_job
-from shared.storage import Storage
+from shared.lifecycle import progress
+from shared.lifecycle.kinds import kind_of
+from shared.lifecycle.schemas import JobRecord
+from shared.lifecycle.shards import load_job
+from shared.storage import layout
+from shared.storage.objects import Storage
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import time
 import redis
 from pydantic import BaseModel
 
-from shared.progress import job_key
-from shared.queue import SENT_TS_HEADER, SHARD_QUEUE
+from shared.lifecycle.progress import job_key
+from shared.lifecycle.queue import SENT_TS_HEADER, SHARD_QUEUE
 
 logger = logging.getLogger(__name__)
 

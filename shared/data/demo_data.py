@@ -12,8 +12,8 @@ import logging
 import random
 from pathlib import Path
 
-from shared.chat_corpora import Dialog, chatterbot_dialogs, chitchat_dialogs, clean_turn
-from shared.datasets import write_dataset_file
+from shared.data.chat_corpora import Dialog, chatterbot_dialogs, chitchat_dialogs, clean_turn
+from shared.data.datasets import write_dataset_file
 from shared.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)

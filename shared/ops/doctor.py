@@ -31,17 +31,19 @@ from urllib.parse import urlparse
 
 import redis
 
-from shared import cluster, jobs, layout, progress, shards
-from shared.capture_protocol import ModelInfo, default_aux_layer_ids
-from shared.datasets import InvalidRecord, read_dataset
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import ModelInfo, default_aux_layer_ids
+from shared.data.datasets import InvalidRecord, read_dataset
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import Eagle3Error, InvalidSample
-from shared.inference_client import InferenceClient
-from shared.kinds import EXTRACT
-from shared.kinds.extract import bytes_per_token
-from shared.schemas import JobSpec
+from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kinds import EXTRACT
+from shared.lifecycle.kinds.extract import bytes_per_token
+from shared.lifecycle.schemas import JobSpec
+from shared.ops import cluster
 from shared.settings import Settings
-from shared.storage import Storage, open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ from celery import Celery
 
 # Every kind's shards travel on one queue, so that every worker takes either and KEDA scales on one list.
 SHARD_QUEUE = "eagle3.extract"
-SENT_TS_HEADER = "eagle3_sent_ts"  # when a shard message was sent: the queue's oldest-message age (shared/cluster.py)
+# When a shard message was sent: the queue's oldest-message age (shared/ops/cluster.py).
+SENT_TS_HEADER = "eagle3_sent_ts"
 
 
 def task_name(kind: str) -> str:

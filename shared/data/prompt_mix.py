@@ -1,19 +1,19 @@
 """A broad prompt mix (chat, code, instructions) built offline, for the target to answer in a `regenerate` job.
 
 Records are OpenAI `messages` JSONL, with an `id` naming the source and the origin. Only the user turns matter:
-the regenerate kind (shared/kinds/regenerate.py) decodes every assistant turn given the history before it, and
-shared/datasets.py refuses a record without an assistant turn, so each user turn is followed by a placeholder
+the regenerate kind (shared/lifecycle/kinds/regenerate.py) decodes every assistant turn given the history before it, and
+shared/data/datasets.py refuses a record without an assistant turn, so each user turn is followed by a placeholder
 answer that the target's own replaces. Such a file is for regeneration: extracted as it is, it would teach the
 drafter the placeholder.
 
 Sources of train.jsonl, in the proportions of `mix`, shuffled together:
 - chat: windows of up to four user turns of the chatterbot-corpus and chitchat-dataset dialogs
-  (shared/chat_corpora.py); the target answers each turn in order, given its own earlier answers;
+  (shared/data/chat_corpora.py); the target answers each turn in order, given its own earlier answers;
 - code: functions, methods and classes taken with `ast` from the running interpreter's standard library and the
   environment's site-packages (no tests, vendored or generated files; 160 to 1,500 characters of code), taken one
   file per package in turn, each wrapped in one of seven task templates (explain, docstring, review, tests,
   complete from signature and docstring, idiomatic rewrite, write from the docstring alone);
-- instructions: templates x curated word lists (shared/instruction_topics.py) and generated arithmetic problems.
+- instructions: templates x curated word lists (shared/data/instruction_topics.py) and generated arithmetic problems.
 
 Held out: eval_code.jsonl comes from source files whose path hashes into the held-out fraction, eval_chat.jsonl
 from the openings of dialogs whose id does, so a held-out function or dialog never trains under another template
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from shared import instruction_topics as topics
-from shared.chat_corpora import chatterbot_dialogs, chitchat_dialogs, clean_turn
-from shared.datasets import write_dataset_file
+from shared.data import instruction_topics as topics
+from shared.data.chat_corpora import chatterbot_dialogs, chitchat_dialogs, clean_turn
+from shared.data.datasets import write_dataset_file
 from shared.errors import ConfigurationError, Eagle3Error
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ def build_prompt_mix(
         counts["instructions"],
         random.Random(f"{seed}/instructions"),
         f"instruction prompts (instructions={shares['instructions']:g})",
-        "the templates and word lists of shared/instruction_topics.py",
+        "the templates and word lists of shared/data/instruction_topics.py",
     )
     train = chat_train + code_train + instructions
     random.Random(f"{seed}/shuffle").shuffle(train)
@@ -613,7 +613,7 @@ def _code_prompt(unit: CodeUnit, code_hash: str, rng: random.Random) -> Prompt:
 
 
 def instruction_prompts() -> list[Prompt]:
-    """Every instruction the templates and word lists of shared/instruction_topics.py make, in a fixed order."""
+    """Every instruction the templates and word lists of shared/data/instruction_topics.py make, in a fixed order."""
     prompts: dict[str, Prompt] = {}
 
     def add(family: str, origin: str, text: str) -> None:

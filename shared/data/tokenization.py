@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 
 from jinja2.exceptions import TemplateError
 
-from shared.datasets import Conversation, InvalidRecord, Message
+from shared.data.datasets import Conversation, InvalidRecord, Message
 from shared.errors import ConfigurationError
 
 if TYPE_CHECKING:

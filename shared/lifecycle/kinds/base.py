@@ -1,14 +1,14 @@
 """What a job kind supplies. Everything else about a job is written once, for every kind:
 
-- submit (shared/jobs.py): services up, model folder, job id, tokenizer, layer ids, the dataset with its rejected
-  lines, budget, job.json, shard inputs, progress counters, one task per shard; resume and cancel;
-- one shard (shared/shards.py): already committed -> cancelled -> load the job -> check the served model once per
-  job -> load the shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest
+- submit (shared/lifecycle/jobs.py): services up, model folder, job id, tokenizer, layer ids, the dataset with its
+  rejected lines, budget, job.json, shard inputs, progress counters, one task per shard; resume and cancel;
+- one shard (shared/lifecycle/shards.py): already committed -> cancelled -> load the job -> check the served model once
+  per job -> load the shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest
   create-only and count it once -> dead letter when it fails for good.
 
 A kind says what a shard input is (`plan`, `input_type`), what processing a shard means (`process`) and what its
 committed output is (`manifest_type`). Adding a kind is one new module in this package and one line in
-`shared/kinds/__init__.py`.
+`shared/lifecycle/kinds/__init__.py`.
 """
 
 import json
@@ -20,15 +20,15 @@ from typing import Any, ClassVar, Generic, TypeVar
 import redis
 from pydantic import BaseModel
 
-from shared.capture_protocol import ModelInfo, default_aux_layer_ids
-from shared.datasets import Conversation
+from shared.capture.protocol import ModelInfo, default_aux_layer_ids
+from shared.data.datasets import Conversation
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import ModelMismatch
-from shared.queue import task_name
-from shared.schemas import FailedConversation, JobRecord, JobSpec, ModelRecord
+from shared.lifecycle.queue import task_name
+from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, ModelRecord
+from shared.lifecycle.shards import ShardContext, dead_lettered_samples
 from shared.settings import Settings
-from shared.shards import ShardContext, dead_lettered_samples
-from shared.storage import Storage
-from shared.tokenization import ChatTokenizer
+from shared.storage.objects import Storage
 
 InputT = TypeVar("InputT", bound=BaseModel)  # one shard's planned input (inputs/shard_{k}.json)
 ItemT = TypeVar("ItemT", bound=BaseModel)  # one element of it: a sample, a conversation

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import redis
 
-from shared import layout, progress
-from shared.storage import Storage
+from shared.lifecycle import progress
+from shared.storage import layout
+from shared.storage.objects import Storage
 
 logger = logging.getLogger(__name__)
 

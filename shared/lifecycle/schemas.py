@@ -13,7 +13,7 @@ LengthPolicy = Literal["truncate", "reject"]
 JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
 ReasoningPolicy = Literal["keep", "drop"]
-StorageDtype = Literal["bfloat16", "fp8_e4m3"]  # hidden states at rest: shared/shard_format.py
+StorageDtype = Literal["bfloat16", "fp8_e4m3"]  # hidden states at rest: shared/storage/sample_format.py
 
 
 def utc_now() -> str:
@@ -178,7 +178,7 @@ class Manifest(BaseModel):
     num_tokens: int
     loss_tokens: int
     bytes: int
-    # Stamped by the shard lifecycle (shared/shards.py) just before the commit.
+    # Stamped by the shard lifecycle (shared/lifecycle/shards.py) just before the commit.
     worker: str = ""
     started_at: str = ""
     committed_at: str = ""
@@ -358,7 +358,7 @@ class RegenerationManifest(BaseModel):
     num_tokens: int
     bytes: int
     counters: dict[str, int]  # added to the job's Redis counters when the shard is counted
-    # Stamped by the shard lifecycle (shared/shards.py) just before the commit.
+    # Stamped by the shard lifecycle (shared/lifecycle/shards.py) just before the commit.
     worker: str = ""
     started_at: str = ""
     committed_at: str = ""

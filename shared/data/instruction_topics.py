@@ -1,4 +1,4 @@
-"""Templates and curated word lists for the instruction part of the prompt mix (shared/prompt_mix.py).
+"""Templates and curated word lists for the instruction part of the prompt mix (shared/data/prompt_mix.py).
 
 Each family pairs a few phrasings with the word list they fill. The lists are broad on purpose (science, money,
 computing, history, health, daily life, work, travel, food, arts), so that templates x topics covers the kinds of

@@ -24,9 +24,9 @@ from typing import Protocol
 
 import torch
 
-from shared.capture_protocol import NUM_AUX_LAYERS
+from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import Eagle3Error
-from shared.schemas import StorageDtype
+from shared.lifecycle.schemas import StorageDtype
 
 HIDDEN_DTYPE = torch.bfloat16
 

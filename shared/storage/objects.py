@@ -13,7 +13,7 @@ Notable:
   is neither buffered in memory first nor read back to be hashed (S3 buffers it: a PUT needs the whole body).
 - Outages (unreachable, throttled, timed out, full, missing bucket, bad credentials) raise
   `StorageUnavailable`, which tasks retry with backoff (`StorageFull`, a subclass, pauses the job until there is
-  room: shared/shards.py); a missing object raises `ObjectNotFound`;
+  room: shared/lifecycle/shards.py); a missing object raises `ObjectNotFound`;
   a request the store refuses for good (an object too large) raises `StorageRejected`.
 - One boto3 client per process, created lazily and dropped in a forked child, because Celery's
   prefork pool forks after import and a client's connection pool must not cross a fork.

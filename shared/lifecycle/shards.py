@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import redis
 from pydantic import BaseModel
 
-from shared import layout, progress
 from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
-from shared.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
+from shared.lifecycle import progress
+from shared.lifecycle.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
 from shared.settings import Settings
-from shared.storage import ObjectNotFound, Storage
+from shared.storage import layout
+from shared.storage.objects import ObjectNotFound, Storage
 
 if TYPE_CHECKING:
-    from shared.kinds.base import JobKind
+    from shared.lifecycle.kinds.base import JobKind
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def read_shard_input(kind: "JobKind", storage: Storage, job_id: str, shard_index
 
 def load_shard_input(storage: Storage, job: JobRecord, shard_index: int) -> BaseModel:
     """The planned input of one shard of a job, whatever its kind."""
-    from shared.kinds import kind_of
+    from shared.lifecycle.kinds import kind_of
 
     return read_shard_input(kind_of(job.kind), storage, job.job_id, shard_index)
 

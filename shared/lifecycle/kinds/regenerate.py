@@ -30,9 +30,11 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
-from shared import access, layout, progress
-from shared.capture_protocol import ModelInfo
-from shared.datasets import Conversation, InvalidRecord, Message
+from shared import access
+from shared.capture.client import InferenceClient
+from shared.capture.protocol import ModelInfo
+from shared.data.datasets import Conversation, InvalidRecord, Message
+from shared.data.tokenization import ChatTokenizer
 from shared.errors import (
     ConfigurationError,
     Eagle3Error,
@@ -40,9 +42,9 @@ from shared.errors import (
     ProducerUnavailable,
     SubmitError,
 )
-from shared.inference_client import InferenceClient
-from shared.kinds.base import JobKind, JobPlan, Target, check_served_model
-from shared.schemas import (
+from shared.lifecycle import progress
+from shared.lifecycle.kinds.base import JobKind, JobPlan, Target, check_served_model
+from shared.lifecycle.schemas import (
     ChatMessage,
     ConversationEntry,
     ConversationInput,
@@ -57,10 +59,10 @@ from shared.schemas import (
     TurnRecord,
     utc_now,
 )
+from shared.lifecycle.shards import Cancelled, ShardContext, dead_lettered_samples, load_job
 from shared.settings import Settings
-from shared.shards import Cancelled, ShardContext, dead_lettered_samples, load_job
-from shared.storage import Storage, open_storage
-from shared.tokenization import ChatTokenizer
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 

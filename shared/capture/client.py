@@ -28,7 +28,7 @@ from typing import Any, Literal, Self, TypeVar
 import httpx
 from pydantic import ValidationError
 
-from shared.capture_protocol import (
+from shared.capture.protocol import (
     CAPTURE_CONTENT_TYPE,
     CapturedStates,
     ModelInfo,

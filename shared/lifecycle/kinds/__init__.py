@@ -1,9 +1,9 @@
 """The job kinds, by the name a JobSpec gives (`kind`). A new kind is a new module here and one line below."""
 
 from shared.errors import SubmitError
-from shared.kinds.base import JobKind
-from shared.kinds.extract import Extract
-from shared.kinds.regenerate import Regenerate
+from shared.lifecycle.kinds.base import JobKind
+from shared.lifecycle.kinds.extract import Extract
+from shared.lifecycle.kinds.regenerate import Regenerate
 
 KINDS: dict[str, JobKind] = {kind.name: kind for kind in (Extract(), Regenerate())}
 EXTRACT, REGENERATE = KINDS["extract"], KINDS["regenerate"]

@@ -6,9 +6,9 @@ import re
 
 from pydantic import BaseModel
 
-from shared import layout
-from shared.schemas import DeadLetter
-from shared.storage import Storage
+from shared.lifecycle.schemas import DeadLetter
+from shared.storage import layout
+from shared.storage.objects import Storage
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 

@@ -55,7 +55,7 @@ def cancelled(job_id: str) -> str:
 
 
 # Storage's job index: one empty object per published job, outside every job's folder (a job id cannot start with
-# "_"), so that the jobs can be found again when Redis has lost them (shared/recovery.py).
+# "_"), so that the jobs can be found again when Redis has lost them (shared/lifecycle/recovery.py).
 JOB_INDEX_PREFIX = "_jobs/"
 
 
