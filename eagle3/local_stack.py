@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import httpx
 import redis
 
-from shared import access
+from shared import access, urls
 from shared.errors import Eagle3Error
 from shared.settings import Settings
 
@@ -164,7 +164,7 @@ class LocalStack:
         parsed = urlparse(url)
         if parsed.hostname not in ("127.0.0.1", "localhost"):
             raise StackError(
-                f"Redis at {access.redact_url(url)} is not reachable, and it is not local, so it cannot be started here"
+                f"Redis at {urls.redact_url(url)} is not reachable, and it is not local, so it cannot be started here"
             )
         port = parsed.port or 6379
         data_dir = self.log_dir / "redis"

@@ -18,26 +18,22 @@
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import os
 import re
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 from shared.errors import ConfigurationError, SubmitError
-
-if TYPE_CHECKING:  # shared.settings imports this module for redact_url and is_loopback
-    from shared.settings import Settings
+from shared.settings import Settings
+from shared.urls import is_loopback, redact_url
 
 logger = logging.getLogger(__name__)
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 _JOB_ID = re.compile(JOB_ID_PATTERN)
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 
 
 class AccessDenied(SubmitError):
@@ -50,20 +46,6 @@ class AccessDenied(SubmitError):
 
 def is_valid_job_id(job_id: str) -> bool:
     return _JOB_ID.fullmatch(job_id) is not None  # fullmatch: "$" alone lets a trailing newline through
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def redact_url(text: str) -> str:
-    """Every `scheme://user:password@host` in `text` as `scheme://***@host`."""
-    return _USERINFO.sub(r"\1***@", text)
 
 
 # ----------------------------------------------------------------------------------------------------------

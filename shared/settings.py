@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.access import is_loopback, redact_url
+from shared.urls import is_loopback, redact_url
 
 DEFAULT_HOME = Path(".eagle3")
 # Placeholders from our own examples (.env.example, k8s/base/secret.template.yaml): never a real token.

@@ -16,7 +16,7 @@ import redis
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 
-from shared import access
+from shared import urls
 from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, StorageUnavailable, SubmitError
 from shared.settings import Settings
 
@@ -25,7 +25,7 @@ RETRY_AFTER_S = 5  # what a 503 tells the client to wait before it tries again
 
 def install(app: FastAPI, settings: Settings) -> None:
     def answer(status_code: int, detail: str) -> JSONResponse:
-        return JSONResponse({"detail": access.redact_url(detail)}, status_code=status_code)
+        return JSONResponse({"detail": urls.redact_url(detail)}, status_code=status_code)
 
     def unavailable(detail: str) -> JSONResponse:
         response = answer(status.HTTP_503_SERVICE_UNAVAILABLE, detail)
@@ -52,7 +52,7 @@ def install(app: FastAPI, settings: Settings) -> None:
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def redis_unavailable(request: Request, exc: redis.RedisError) -> JSONResponse:
-        where = access.redact_url(settings.redis_url)
+        where = urls.redact_url(settings.redis_url)
         return unavailable(f"Redis at {where} is not reachable ({type(exc).__name__}: {exc}); retry shortly")
 
     @app.exception_handler(StorageUnavailable)

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import shared
-from shared import access
+from shared import access, urls
 from shared.data.datasets import InvalidRecord, read_dataset
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
@@ -75,9 +75,7 @@ def check_services(settings: Settings, storage: Storage, client: redis.Redis) ->
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise DependencyUnavailable(
-            f"Redis at {access.redact_url(settings.redis_url)} is not reachable: {exc}"
-        ) from exc
+        raise DependencyUnavailable(f"Redis at {urls.redact_url(settings.redis_url)} is not reachable: {exc}") from exc
     try:
         storage.check()
     except Eagle3Error as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import access
+from shared import access, urls
 from shared.access import AccessDenied
 from shared.errors import ConfigurationError
 from shared.settings import Settings
@@ -180,16 +180,16 @@ def test_invalid_job_ids(job_id: str) -> None:
      ("0.0.0.0", False), ("::", False), ("192.168.1.5", False), ("producer", False)],
 )  # fmt: skip
 def test_loopback_hosts(host: str, loopback: bool) -> None:
-    assert access.is_loopback(host) is loopback
+    assert urls.is_loopback(host) is loopback
 
 
 def test_redaction_hides_userinfo_and_nothing_else() -> None:
-    assert access.redact_url("redis://:hunter2@redis:6379/0") == "redis://***@redis:6379/0"
-    assert access.redact_url("error at rediss://user:pw@h:1/0 and s3://AK:SK@b/k") == (
+    assert urls.redact_url("redis://:hunter2@redis:6379/0") == "redis://***@redis:6379/0"
+    assert urls.redact_url("error at rediss://user:pw@h:1/0 and s3://AK:SK@b/k") == (
         "error at rediss://***@h:1/0 and s3://***@b/k"
     )
     for plain in ("redis://127.0.0.1:6379/0", "file:///data/a@b.jsonl", "s3://bucket/key@v1"):
-        assert access.redact_url(plain) == plain
+        assert urls.redact_url(plain) == plain
 
 
 # ----------------------------------------------------------------------------------------------------------
