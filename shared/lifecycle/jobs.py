@@ -21,8 +21,8 @@ from shared.data.datasets import InvalidRecord, read_dataset
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
 from shared.lifecycle import progress, recovery, shard_metrics
+from shared.lifecycle.kind import Target
 from shared.lifecycle.kinds import kind_of
-from shared.lifecycle.kinds.base import Target
 from shared.lifecycle.schemas import JobRecord, JobSpec, RejectedSample, utc_now
 from shared.lifecycle.shards import load_job, load_shard_input
 from shared.settings import Settings

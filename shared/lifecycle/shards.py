@@ -25,7 +25,7 @@ from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 
 if TYPE_CHECKING:
-    from shared.lifecycle.kinds.base import JobKind
+    from shared.lifecycle.kind import JobKind
 
 logger = logging.getLogger(__name__)
 

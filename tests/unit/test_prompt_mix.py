@@ -22,7 +22,7 @@ from shared.data.prompt_mix import (
 )
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError
-from shared.lifecycle.kinds.base import Target
+from shared.lifecycle.kind import Target
 from shared.lifecycle.kinds.regenerate import Regenerate
 from shared.lifecycle.schemas import JobSpec
 

@@ -1,7 +1,7 @@
 """The job kinds, by the name a JobSpec gives (`kind`). A new kind is a new module here and one line below."""
 
 from shared.errors import SubmitError
-from shared.lifecycle.kinds.base import JobKind
+from shared.lifecycle.kind import JobKind
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.kinds.regenerate import Regenerate
 

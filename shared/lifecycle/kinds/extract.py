@@ -18,7 +18,7 @@ from shared.data.datasets import Conversation
 from shared.data.tokenization import TokenizedSample
 from shared.data.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
 from shared.errors import ShardValidationError
-from shared.lifecycle.kinds.base import JobKind, JobPlan, Target, check_served_model
+from shared.lifecycle.kind import JobKind, JobPlan, Target, check_served_model
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput, StorageDtype
 from shared.lifecycle.shards import ShardContext
 from shared.provenance import compute_provenance

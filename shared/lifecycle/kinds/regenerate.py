@@ -43,7 +43,7 @@ from shared.errors import (
     SubmitError,
 )
 from shared.lifecycle import progress
-from shared.lifecycle.kinds.base import JobKind, JobPlan, Target, check_served_model
+from shared.lifecycle.kind import JobKind, JobPlan, Target, check_served_model
 from shared.lifecycle.schemas import (
     ChatMessage,
     ConversationEntry,
