@@ -30,6 +30,7 @@ from shared.capture.client import InferenceClient
 from shared.data.demo_data import write_demo_dataset
 from shared.data.model_assets import resolve_model_path
 from shared.lifecycle import jobs, shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.schemas import JobSpec, Manifest
 from shared.settings import Settings
@@ -68,7 +69,7 @@ def extract(
     )
     job = jobs.submit(spec, settings=settings, storage=storage, client=client, enqueue=lambda *task: None)
     with InferenceClient(url, timeout_s=600, max_concurrency=2, transport="body", shm_dir=settings.home) as inference:
-        ctx = shards.ShardContext(storage, client, settings, worker="bench", states={"extract": inference})
+        ctx = ShardContext(storage, client, settings, worker="bench", states={"extract": inference})
         for shard_index in range(job.shards_total):
             shards.run_shard(EXTRACT, job_id, shard_index, ctx)
     manifests = [Manifest.model_validate_json(storage.get(k)) for k in storage.list(layout.manifests_prefix(job_id))]

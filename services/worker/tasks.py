@@ -17,6 +17,7 @@ from celery.exceptions import Retry
 from services.worker.celery_app import app, settings
 from shared.errors import QueueUnavailable, StorageFull, StorageUnavailable, TransientError
 from shared.lifecycle import progress, shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import KINDS, JobKind
 from shared.storage.objects import open_storage
 
@@ -25,9 +26,9 @@ LEASED_REQUEST = "services.worker.leasing:LeasedRequest"  # a shard's lease ends
 
 
 @cache
-def context() -> shards.ShardContext:
+def context() -> ShardContext:
     # Built lazily in each pool process: clients created before the prefork fork must not be shared.
-    return shards.ShardContext(
+    return ShardContext(
         storage=open_storage(settings.storage_url, settings),
         redis=progress.connect(settings.redis_url, outage_wait_s=settings.redis_outage_wait_s),
         settings=settings,

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import redis
 import torch
 import transformers
+from pydantic import BaseModel
 
 import shared
 from shared import access, urls
@@ -21,10 +22,10 @@ from shared.data.datasets import InvalidRecord, read_dataset
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
 from shared.lifecycle import progress, recovery, shard_metrics
-from shared.lifecycle.kind import Target
+from shared.lifecycle.kind import Target, read_shard_input
 from shared.lifecycle.kinds import kind_of
 from shared.lifecycle.schemas import JobRecord, JobSpec, RejectedSample, utc_now
-from shared.lifecycle.shards import load_job, load_shard_input
+from shared.lifecycle.shards import load_job
 from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage, open_storage
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 MIN_SIZED_SHARD_TOKENS, MAX_SIZED_SHARD_TOKENS = 2048, 1_048_576
 
 Enqueue = recovery.Enqueue
+
+
+def load_shard_input(storage: Storage, job: JobRecord, shard_index: int) -> BaseModel:
+    """The planned input of one shard of a job, whatever its kind."""
+    return read_shard_input(kind_of(job.kind), storage, job.job_id, shard_index)
 
 
 def new_job_id() -> str:

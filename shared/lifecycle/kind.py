@@ -25,9 +25,9 @@ from shared.data.datasets import Conversation
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ModelMismatch
 from shared.lifecycle.queue import task_name
-from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, ModelRecord
-from shared.lifecycle.shards import ShardContext, dead_lettered_samples
+from shared.lifecycle.schemas import DeadLetter, FailedConversation, JobRecord, JobSpec, ModelRecord
 from shared.settings import Settings
+from shared.storage import layout
 from shared.storage.objects import Storage
 
 InputT = TypeVar("InputT", bound=BaseModel)  # one shard's planned input (inputs/shard_{k}.json)
@@ -37,6 +37,23 @@ ManifestT = TypeVar("ManifestT", bound=BaseModel)  # manifests/shard_{k}.json
 
 
 @dataclass(frozen=True)
+@dataclass
+class ShardContext:
+    """What a worker process lends every shard it runs: clients, its name, settings, per-kind state."""
+
+    storage: Storage
+    redis: redis.Redis
+    settings: Settings
+    worker: str
+    states: dict[str, Any] = field(default_factory=dict)  # kind name -> what its open() returned
+    prepared: dict[str, Any] = field(default_factory=dict)  # job id -> what its kind's prepare() returned
+
+    def state(self, kind: "JobKind") -> Any:
+        if kind.name not in self.states:
+            self.states[kind.name] = kind.open(self.settings)
+        return self.states[kind.name]
+
+
 class Target:
     """The target model as the producer reads it at submit: its folder, config, tokenizer and the layers to capture."""
 
@@ -183,3 +200,30 @@ def check_served_model(job: JobRecord, info: ModelInfo, base_url: str, *, captur
             f"job {job.job_id} captures layers {job.aux_layer_ids}, but {base_url} was launched to capture "
             f"{info.capture_aux_layer_ids} (EAGLE3_AUX_LAYER_IDS of the SGLang container)"
         )
+
+
+def read_shard_input(kind: JobKind, storage: Storage, job_id: str, shard_index: int) -> BaseModel:
+    """The planned input of one shard, as its kind's model."""
+    return kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
+
+
+def dead_lettered_samples(kind: JobKind, storage: Storage, job_id: str) -> list[FailedConversation]:
+    """Every sample of every shard that is dead-lettered and not committed since, with the shard's reason."""
+    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
+    failed = []
+    for key in storage.list(layout.dead_letter_prefix(job_id)):
+        letter = DeadLetter.model_validate_json(storage.get(key))
+        if letter.shard_index in committed:
+            continue
+        shard = read_shard_input(kind, storage, job_id, letter.shard_index)
+        failed += [
+            FailedConversation(
+                sample_index=item.sample_index,
+                sample_id=item.sample_id,
+                line=item.line,
+                reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
+                shard_index=letter.shard_index,
+            )
+            for item in kind.items(shard)
+        ]
+    return failed

@@ -7,13 +7,13 @@ from pydantic import BaseModel, Field, model_validator
 
 from shared.access import JOB_ID_PATTERN
 from shared.provenance import Provenance
+from shared.storage.dtypes import StorageDtype
 
 LengthPolicy = Literal["truncate", "reject"]
 # paused: the job cannot go on until something outside it changes (storage full); Progress.paused_reason says what.
 JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled"]
 JobKind = Literal["extract", "regenerate"]
 ReasoningPolicy = Literal["keep", "drop"]
-StorageDtype = Literal["bfloat16", "fp8_e4m3"]  # hidden states at rest: shared/storage/sample_format.py
 
 
 def utc_now() -> str:

@@ -11,40 +11,19 @@ Every step is idempotent, so a redelivered or duplicated task never produces a s
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import redis
 from pydantic import BaseModel
 
 from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
 from shared.lifecycle import progress
-from shared.lifecycle.schemas import DeadLetter, FailedConversation, JobRecord, utc_now
-from shared.settings import Settings
+from shared.lifecycle.kind import JobKind, ShardContext, read_shard_input
+from shared.lifecycle.schemas import DeadLetter, JobRecord, utc_now
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 
-if TYPE_CHECKING:
-    from shared.lifecycle.kind import JobKind
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ShardContext:
-    """What a worker process lends every shard it runs: clients, its name, settings, per-kind state."""
-
-    storage: Storage
-    redis: redis.Redis
-    settings: Settings
-    worker: str
-    states: dict[str, Any] = field(default_factory=dict)  # kind name -> what its open() returned
-    prepared: dict[str, Any] = field(default_factory=dict)  # job id -> what its kind's prepare() returned
-
-    def state(self, kind: "JobKind") -> Any:
-        if kind.name not in self.states:
-            self.states[kind.name] = kind.open(self.settings)
-        return self.states[kind.name]
 
 
 class Cancelled(Eagle3Error):
@@ -70,18 +49,6 @@ def load_job(storage: Storage, job_id: str) -> JobRecord:
         raise JobNotFound(job_id) from exc
 
 
-def read_shard_input(kind: "JobKind", storage: Storage, job_id: str, shard_index: int) -> BaseModel:
-    """The planned input of one shard, as its kind's model."""
-    return kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
-
-
-def load_shard_input(storage: Storage, job: JobRecord, shard_index: int) -> BaseModel:
-    """The planned input of one shard of a job, whatever its kind."""
-    from shared.lifecycle.kinds import kind_of
-
-    return read_shard_input(kind_of(job.kind), storage, job.job_id, shard_index)
-
-
 def _outcome(manifest: Any, status: Literal["committed", "already_committed"], seconds: float = 0.0) -> ShardOutcome:
     return ShardOutcome(
         job_id=manifest.job_id,
@@ -94,7 +61,7 @@ def _outcome(manifest: Any, status: Literal["committed", "already_committed"], s
     )
 
 
-def run_shard(kind: "JobKind", job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
+def run_shard(kind: JobKind, job_id: str, shard_index: int, ctx: ShardContext) -> ShardOutcome:
     """Run one shard of a job: commit its manifest, or find it committed or cancelled. A full or unreachable store
     raises StorageUnavailable; the task decides when the shard runs again (services/worker/tasks.py)."""
     started, started_at = time.monotonic(), utc_now()
@@ -164,30 +131,8 @@ def pause(ctx: ShardContext, job_id: str, shard_index: int, reason: str) -> None
         logger.warning("cannot record the pause of job %s: %s", job_id, exc)
 
 
-def dead_lettered_samples(kind: "JobKind", storage: Storage, job_id: str) -> list[FailedConversation]:
-    """Every sample of every shard that is dead-lettered and not committed since, with the shard's reason."""
-    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
-    failed = []
-    for key in storage.list(layout.dead_letter_prefix(job_id)):
-        letter = DeadLetter.model_validate_json(storage.get(key))
-        if letter.shard_index in committed:
-            continue
-        shard = read_shard_input(kind, storage, job_id, letter.shard_index)
-        failed += [
-            FailedConversation(
-                sample_index=item.sample_index,
-                sample_id=item.sample_id,
-                line=item.line,
-                reason=f"shard dead-lettered: {letter.error_type}: {letter.reason}",
-                shard_index=letter.shard_index,
-            )
-            for item in kind.items(shard)
-        ]
-    return failed
-
-
 def dead_letter(
-    kind: "JobKind", job_id: str, shard_index: int, error: BaseException, *, retries: int, ctx: ShardContext
+    kind: JobKind, job_id: str, shard_index: int, error: BaseException, *, retries: int, ctx: ShardContext
 ) -> DeadLetter | None:
     """A shard task failed for good. Uncommitted: record the shard with its reason (its samples count as failed;
     resume runs it again), also when its input cannot be read. Committed: the kind's after-commit step failed."""

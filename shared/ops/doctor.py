@@ -37,6 +37,7 @@ from shared.data.datasets import InvalidRecord, read_dataset
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import Eagle3Error, InvalidSample
 from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.kinds.extract import bytes_per_token
 from shared.lifecycle.schemas import JobSpec
@@ -268,7 +269,7 @@ def check_end_to_end(
 
             def capture() -> tuple[Status, str]:
                 # The worker's own shard lifecycle, run here against the first inference server.
-                ctx = shards.ShardContext(
+                ctx = ShardContext(
                     storage=storage,
                     redis=client,
                     settings=settings.model_copy(update={"inference_url": inference_url}),

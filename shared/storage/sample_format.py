@@ -26,7 +26,7 @@ import torch
 
 from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import Eagle3Error
-from shared.lifecycle.schemas import StorageDtype
+from shared.storage.dtypes import StorageDtype
 
 HIDDEN_DTYPE = torch.bfloat16
 

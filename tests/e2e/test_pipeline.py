@@ -17,8 +17,9 @@ from shared.data.tokenization import ChatTokenizer
 from shared.data.vocab import load_vocab_mapping
 from shared.errors import InvalidSample
 from shared.lifecycle import progress
+from shared.lifecycle.jobs import load_shard_input
 from shared.lifecycle.queue import SHARD_QUEUE, task_name
-from shared.lifecycle.shards import load_job, load_shard_input
+from shared.lifecycle.shards import load_job
 from shared.storage import layout
 from shared.storage.sample_format import decode_sample
 from tests.datasets import BAD_LINES, write_dataset

@@ -10,6 +10,7 @@ import redis
 from shared.capture.client import InferenceClient
 from shared.errors import ModelMismatch, ShardValidationError
 from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.schemas import JobSpec, Manifest
 from shared.settings import Settings
@@ -35,7 +36,7 @@ def plan(tmp_path: Path, model_dir: Path, redis_url: str, storage: Storage, **sp
 
 def extract(job_id: str, shard: int, storage: Storage, redis_url: str, url: str) -> shards.ShardOutcome:
     with InferenceClient(url, timeout_s=60, max_concurrency=2, transport="body", shm_dir=Path("/tmp")) as client:
-        ctx = shards.ShardContext(
+        ctx = ShardContext(
             storage, redis.Redis.from_url(redis_url), Settings(), worker="test", states={"extract": client}
         )
         return shards.run_shard(EXTRACT, job_id, shard, ctx)

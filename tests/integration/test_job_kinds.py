@@ -8,6 +8,7 @@ import redis
 
 from shared.errors import InferenceUnavailable, SubmitError
 from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import KINDS, kind_of
 from shared.lifecycle.schemas import DeadLetter, JobSpec
 from shared.settings import Settings
@@ -54,7 +55,7 @@ def test_every_kind_plans_enqueues_and_resumes_through_one_frame(
     assert job.kind == kind and job.shards_total > 1
     assert sent == [(kind, job.job_id, k) for k in range(job.shards_total)]
     for k in range(job.shards_total):
-        shard = shards.load_shard_input(storage, job, k)
+        shard = jobs.load_shard_input(storage, job, k)
         assert isinstance(shard, kind_of(kind).input_type) and shard.shard_index == k
     sent.clear()
     assert jobs.resume(
@@ -68,7 +69,7 @@ def test_a_shard_without_its_input_is_still_dead_lettered(
 ) -> None:
     job = submit(tmp_path, tiny_model_dir, redis_url, storage, [])
     storage.delete(layout.shard_input(job.job_id, 0))
-    ctx = shards.ShardContext(storage, redis.Redis.from_url(redis_url), Settings(), worker="test")
+    ctx = ShardContext(storage, redis.Redis.from_url(redis_url), Settings(), worker="test")
     error = InferenceUnavailable("http://inference/generate: ConnectError")
 
     letter = shards.dead_letter(kind_of("extract"), job.job_id, 0, error, retries=8, ctx=ctx)

@@ -26,6 +26,7 @@ from shared.errors import (
     SubmitError,
 )
 from shared.lifecycle import jobs, progress, shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import REGENERATE
 from shared.lifecycle.kinds import regenerate as regeneration
 from shared.lifecycle.schemas import JobRecord, JobSpec, RegenerationManifest
@@ -144,14 +145,14 @@ class Setup:
             enqueue=lambda kind, job_id, shard: None,
         ).job_id
 
-    def context(self, inference: ScriptedInference, chain: regeneration.ChainSubmit | None) -> shards.ShardContext:
+    def context(self, inference: ScriptedInference, chain: regeneration.ChainSubmit | None) -> ShardContext:
         state = regeneration.RegenerateState(
             decoding=inference,  # type: ignore[arg-type]
             tokenizers=regeneration.TokenizerCache(self.model_dir.parent / "tokenizers"),
             chain=chain,
         )
         settings = self.settings.model_copy(update={"regenerate_concurrency": 4})
-        return shards.ShardContext(self.storage, self.redis, settings, worker="test", states={"regenerate": state})
+        return ShardContext(self.storage, self.redis, settings, worker="test", states={"regenerate": state})
 
     def run(
         self, job_id: str, shard: int, inference: ScriptedInference, *, chain: regeneration.ChainSubmit | None = None

@@ -8,6 +8,7 @@ import redis
 
 from shared.capture.client import InferenceClient
 from shared.lifecycle import shards
+from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import EXTRACT
 from shared.settings import Settings
 from shared.storage.objects import open_storage
@@ -43,7 +44,7 @@ def extract_job(root: Path, tiny_model_dir: Path, redis_server: str, **spec: obj
         run_reference_server(model_dir, shm_dir=root, env={"OMP_NUM_THREADS": "1"}) as url,
         InferenceClient(url, timeout_s=60, max_concurrency=2, transport="body", shm_dir=root) as inference,
     ):
-        ctx = shards.ShardContext(storage, client, Settings(), worker="test", states={"extract": inference})
+        ctx = ShardContext(storage, client, Settings(), worker="test", states={"extract": inference})
         for shard_index in range(job.shards_total):
             shards.run_shard(EXTRACT, job.job_id, shard_index, ctx)
     yield ExtractedJob(job=job, storage_url=storage.url, model_dir=model_dir)

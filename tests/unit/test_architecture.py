@@ -3,7 +3,9 @@
 - `shared/` is domain logic: it imports no service, not the composition root, and no process machinery (argparse,
   subprocess, FastAPI, uvicorn, Celery) — except the send-only shard client, which uses Celery to send and nothing else;
 - a service (`services/<name>/`) never imports another service or the composition root;
-- only the composition root (`eagle3/`) wires several services together.
+- only the composition root (`eagle3/`) wires several services together;
+- inside `shared/`, the leaves (capture, storage, data and the top-level modules) import nothing of the job lifecycle
+  or of ops, the lifecycle imports nothing of ops, and no module imports itself back through others.
 """
 
 import ast
@@ -16,6 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PROCESS_MODULES = {"argparse", "subprocess", "fastapi", "uvicorn", "celery"}
 SEND_ONLY_CLIENT = Path("shared/lifecycle/queue.py")  # Celery as a message sender: no app of tasks, no worker settings
+# What the leaves of shared/ may not import: they sit under the lifecycle, which sits under ops.
+LIFECYCLE_AND_UP = ("shared.lifecycle", "shared.ops")
 
 
 def imported_modules(source: str) -> set[str]:
@@ -41,11 +45,84 @@ def violations(path: Path, source: str) -> list[str]:
                 found.append(f"{path}: shared imports {name}")
             elif parts[0] in PROCESS_MODULES and not (parts[0] == "celery" and path == SEND_ONLY_CLIENT):
                 found.append(f"{path}: shared imports process machinery {name}")
+            elif any(name == above or name.startswith(above + ".") for above in forbidden_above(path)):
+                found.append(f"{path}: {shared_part(path)} imports {name}, which sits above it")
         elif top_dir == "services" and len(path.parts) > 2:
             own = path.parts[1]
             if parts[0] == "eagle3" or (parts[0] == "services" and len(parts) > 1 and parts[1] != own):
                 found.append(f"{path}: service {own} imports {name}")
     return found
+
+
+def shared_part(path: Path) -> str:
+    """The package of shared/ a module belongs to; "leaf" for the top-level modules (settings, errors, access...)."""
+    return path.parts[1] if len(path.parts) > 2 else "leaf"
+
+
+def forbidden_above(path: Path) -> tuple[str, ...]:
+    part = shared_part(path)
+    if part == "lifecycle":
+        return ("shared.ops",)
+    if part == "ops":
+        return ()
+    return LIFECYCLE_AND_UP
+
+
+def import_graph() -> dict[str, set[str]]:
+    """shared's modules and the shared modules each imports (at the top or inside a function)."""
+    files = {".".join(p.with_suffix("").parts).removesuffix(".__init__"): p for p in modules("shared")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for name in imported_modules((ROOT / path).read_text()):
+            while name and name not in files:  # `from shared.x import y` names y, a module or a name in x
+                name = name.rpartition(".")[0]
+            if name and name != module and name != "shared":
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_shared_has_no_import_circles() -> None:
+    graph = import_graph()
+    assert len(graph) > 30
+    assert not circles(graph), circles(graph)
+
+
+def test_a_circle_is_found() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def modules(*tops: str) -> list[Path]:
@@ -72,6 +149,10 @@ def test_the_layout_keeps_its_rules() -> None:
             "shared/storage/objects.py", "from celery import Celery", id="celery-outside-the-send-only-client"
         ),
         pytest.param("shared/data/demo_data.py", "import eagle3.cli", id="shared-imports-the-composition-root"),
+        pytest.param("shared/storage/layout.py", "from shared.lifecycle import progress", id="leaf-imports-lifecycle"),
+        pytest.param("shared/settings.py", "from shared.lifecycle.schemas import JobSpec", id="top-imports-lifecycle"),
+        pytest.param("shared/capture/client.py", "from shared.ops import cluster", id="leaf-imports-ops"),
+        pytest.param("shared/lifecycle/jobs.py", "from shared.ops.doctor import run", id="lifecycle-imports-ops"),
         pytest.param("services/producer/app.py", "from services.trainer import train", id="service-imports-service"),
         pytest.param(
             "services/worker/tasks.py", "from eagle3.local_stack import LocalStack", id="service-imports-root"
@@ -83,6 +164,8 @@ def test_each_rule_catches_its_violation(path: str, source: str) -> None:
 
 
 def test_what_the_rules_allow() -> None:
+    assert not violations(Path("shared/ops/doctor.py"), "from shared.lifecycle import jobs")
+    assert not violations(Path("shared/lifecycle/jobs.py"), "from shared.storage import layout")
     assert not violations(SEND_ONLY_CLIENT, "from celery import Celery")
     assert not violations(Path("services/producer/app.py"), "from services.producer.deps import get_redis")
     assert not violations(Path("eagle3/cli.py"), "from services.trainer import cli\nfrom services.worker import cli")

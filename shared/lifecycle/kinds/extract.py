@@ -18,12 +18,12 @@ from shared.data.datasets import Conversation
 from shared.data.tokenization import TokenizedSample
 from shared.data.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
 from shared.errors import ShardValidationError
-from shared.lifecycle.kind import JobKind, JobPlan, Target, check_served_model
-from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput, StorageDtype
-from shared.lifecycle.shards import ShardContext
+from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput
 from shared.provenance import compute_provenance
 from shared.settings import Settings
 from shared.storage import layout
+from shared.storage.dtypes import StorageDtype
 from shared.storage.objects import ObjectDigest, Storage
 from shared.storage.sample_format import InvalidCapture, validate_capture, write_sample
 

@@ -43,7 +43,7 @@ from shared.errors import (
     SubmitError,
 )
 from shared.lifecycle import progress
-from shared.lifecycle.kind import JobKind, JobPlan, Target, check_served_model
+from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model, dead_lettered_samples
 from shared.lifecycle.schemas import (
     ChatMessage,
     ConversationEntry,
@@ -59,7 +59,7 @@ from shared.lifecycle.schemas import (
     TurnRecord,
     utc_now,
 )
-from shared.lifecycle.shards import Cancelled, ShardContext, dead_lettered_samples, load_job
+from shared.lifecycle.shards import Cancelled, load_job
 from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
