@@ -36,7 +36,6 @@ DoneT = TypeVar("DoneT")  # what an item leaves in storage once done, as the man
 ManifestT = TypeVar("ManifestT", bound=BaseModel)  # manifests/shard_{k}.json
 
 
-@dataclass(frozen=True)
 @dataclass
 class ShardContext:
     """What a worker process lends every shard it runs: clients, its name, settings, per-kind state."""
@@ -54,6 +53,7 @@ class ShardContext:
         return self.states[kind.name]
 
 
+@dataclass(frozen=True)
 class Target:
     """The target model as the producer reads it at submit: its folder, config, tokenizer and the layers to capture."""
 
