@@ -32,9 +32,9 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
@@ -53,7 +53,6 @@ logger = logging.getLogger(__name__)
 
 DISAGREEMENT = 0.10  # relative difference between SGLang's and our acceptance length that the report flags
 REQUEST_TIMEOUT_S = 600.0
-TOGETHER_MEMORY = 0.85  # of the GPU, shared by the servers launched together
 WARMUP_REQUESTS = 4
 
 
@@ -332,7 +331,6 @@ class EngineEvalOptions:
     sglang_python: str = sys.executable
     sglang_args: list[str] = field(default_factory=list)  # every launch gets them
     work_dir: Path | None = None  # exports and server logs (default: a temporary folder)
-    launch: Literal["together", "sequential"] = "together"
 
 
 def evaluate_on_engine(
@@ -381,7 +379,7 @@ def evaluate_on_engine(
         "max_new_tokens": options.max_new_tokens,
         "concurrency": options.concurrency,
         "repeats": options.repeats,
-        "launch": options.launch if options.url is None else "running servers",
+        "launch": "one server at a time" if options.url is None else "running servers",
         "best_setting": best_setting(results),
         "results": [result.as_dict() for result in results],
     }
@@ -424,8 +422,8 @@ def measure_launched(
     options: EngineEvalOptions,
     work: Path,
 ) -> list[EngineResult]:
-    """The plain server and one per drafter and setting, launched here: together (their starts overlap; each is
-    measured alone, the others idle) or one after another. What was measured is written after every server."""
+    """The plain server and one per drafter and setting, launched here one after another, each measured alone.
+    What was measured is written after every server."""
     from services.trainer.export import export_sglang
 
     plain_port = free_port()
@@ -439,9 +437,6 @@ def measure_launched(
             log = work / name / f"sglang-{setting.label.replace(',', '-')}.log"
             args = serving_args(options, setting, export_dir)
             servers.append((name, setting, _launch(target, free_port(), args, log)))
-    if options.launch == "together":
-        with_shares = share_gpu_memory([launch for _, _, launch in servers], options)
-        servers = [(name, setting, launch) for (name, setting, _), launch in zip(servers, with_shares, strict=True)]
     plain: dict[str, ServerRun] = {}
     results: list[EngineResult] = []
 
@@ -456,22 +451,12 @@ def measure_launched(
         # Minutes of GPU per server: what was measured survives whatever comes next.
         (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
 
-    if options.launch == "together":
-        # The first speculative server starts alone: it compiles and caches every kernel the others need (one
-        # cache folder, which servers compiling the same kernel at once could both write), then the rest start
-        # together from the cache.
-        launches = [launch for _, _, launch in servers]
-        with (
-            server_processes(launches[1:2], python=options.sglang_python) as first,
-            server_processes(launches[:1] + launches[2:], python=options.sglang_python) as others,
-        ):
-            urls = others[:1] + first + others[1:]
-            for (drafter, setting, _), url in zip(servers, urls, strict=True):
-                measure(drafter, setting, url)
-    else:
-        for drafter, setting, launch in servers:
-            with server_processes([launch], python=options.sglang_python) as (url,):
-                measure(drafter, setting, url)
+    # One server at a time, each with the whole GPU: SGLang 0.5.23 profiles the free memory before and after loading
+    # its weights, so servers starting side by side see each other's KV pools as their own weights and refuse to
+    # start (seen on the H200, 2026-12-03: "Loaded weights leave no GPU memory for the KV cache").
+    for drafter, setting, launch in servers:
+        with server_processes([launch], python=options.sglang_python) as (url,):
+            measure(drafter, setting, url)
     return results
 
 
@@ -488,14 +473,6 @@ def _launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch
     # SGLANG_PLUGINS=none: the capture plugin, where installed, stays out of a serving measurement.
     argv = stock_argv(target, port=port, extra_args=args)
     return ServerLaunch(argv, f"http://127.0.0.1:{port}", log, {"SGLANG_PLUGINS": "none"})
-
-
-def share_gpu_memory(launches: list[ServerLaunch], options: EngineEvalOptions) -> list[ServerLaunch]:
-    """The launches of servers on one GPU together, each with a share of its memory, unless the user set one."""
-    if "--mem-fraction-static" in options.sglang_args:
-        return launches
-    share = f"{TOGETHER_MEMORY / len(launches):.3f}"
-    return [replace(launch, argv=[*launch.argv, "--mem-fraction-static", share]) for launch in launches]
 
 
 def _rows(
@@ -664,13 +641,6 @@ def add_engine_arguments(eval_parser: argparse.ArgumentParser) -> None:
         help="skip the project's own measured acceptance beside SGLang's",
     )
     group.add_argument("--work-dir", type=Path, help="keep the exports and server logs here (default: temporary)")
-    group.add_argument(
-        "--launch",
-        choices=["together", "sequential"],
-        default="together",
-        help="together (default): every server starts at once, sharing the GPU's memory, and each is measured "
-        "while the others idle; sequential: one server on the GPU at a time",
-    )
     eval_parser.set_defaults(func=cmd_eval)
 
 
@@ -705,7 +675,6 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
         sglang_python=args.sglang_python,
         sglang_args=shlex.split(args.sglang_args),
         work_dir=args.work_dir,
-        launch=args.launch,
     )
     report = evaluate_on_engine(
         args.checkpoint,

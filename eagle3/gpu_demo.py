@@ -66,15 +66,80 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     cmd_demo_gpu(args, settings)
 
 
+STAGES = ("extraction", "training", "evaluation")
+
+
 def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
+    """The stages in order, the report written after each: with --resume, the stages the report already holds are
+    not run again (a machine lent for minutes at a time runs one stage per command); --until stops after one."""
     if args.dataset and not args.eval_prompts_file:
         raise SystemExit("--dataset needs --eval-prompts-file: prompt sets that training never saw")
     exit_on_sigterm()
-    started = time.monotonic()
     demo_dir = settings.home / "demo-gpu"
     report_path = Path(args.report) if args.report else demo_dir / "report.json"
+    report = resumed_report(report_path) if args.resume else {}
     model = resolve_model_path(args.model).resolve()
-    dataset, eval_files = prompt_files(args, demo_dir)
+    if "extraction" not in report:
+        dataset, eval_files = prompt_files(args, demo_dir)
+        report.update(model=str(model), dataset=str(dataset), eval_files=[str(f) for f in eval_files])
+        console.print(
+            f"[bold]1/5[/] model {model}\n      prompts {dataset}, held out: {', '.join(map(str, eval_files))}"
+        )
+        report.update(extract_through_the_stack(args, settings, demo_dir, model, dataset))
+        write_report(report_path, report)
+    else:
+        console.print(f"[bold]1-3/5[/] extraction job {report['extraction']['job_id']}: done before ({report_path})")
+    if args.until == "extraction":
+        return
+    if "training" not in report:
+        console.print(f"[bold]4/5[/] training the drafter on the GPU (at most {args.train_seconds:.0f} s)")
+        report["training"] = train_and_export(report["extraction"]["job_id"], settings, args, demo_dir)
+        write_report(report_path, report)  # what was made so far stays, whatever the evaluation does
+    else:
+        console.print(f"[bold]4/5[/] drafter {report['training']['checkpoint']}: trained before")
+    if args.until == "training":
+        return
+
+    console.print("[bold]5/5[/] serving it with SGLang's EAGLE-3 against plain SGLang")
+    eval_started = time.monotonic()
+    engine = evaluate_on_engine(
+        report["training"]["checkpoint"],
+        [Path(f) for f in report["eval_files"]],
+        settings=settings,
+        model_path=str(model),
+        options=EngineEvalOptions(
+            settings=args.speculative or DEFAULT_SWEEP,
+            max_new_tokens=args.eval_max_new_tokens,
+            concurrency=args.eval_concurrency,
+            baseline=True,
+            sglang_python=args.sglang_python,
+            sglang_args=shlex.split(args.eval_sglang_args),
+            work_dir=demo_dir / "engine-eval",
+        ),
+    )
+    report["engine_eval"] = engine
+    report["engine_eval_seconds"] = round(time.monotonic() - eval_started, 1)
+    console.print(engine_table(engine))
+    console.print(stage_summary(report))
+    write_report(report_path, report)
+    console.print(f"report written to {report_path}")
+
+
+def resumed_report(path: Path) -> dict[str, Any]:
+    try:
+        report = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"--resume: no report at {path} (a run writes it after each stage)") from None
+    if not isinstance(report, dict):
+        raise SystemExit(f"--resume: {path} is not a demo report")
+    return report
+
+
+def extract_through_the_stack(
+    args: argparse.Namespace, settings: Settings, demo_dir: Path, model: Path, dataset: Path
+) -> dict[str, Any]:
+    """Stages 2 and 3: the stack up, every answer regenerated, the result extracted, SGLang's own rates on the same
+    work measured on the same server; the stack stops so that the trainer has the GPU to itself."""
     shm_dir = demo_dir / "shm"
     shm_dir.mkdir(parents=True, exist_ok=True)
     roots = {str(dataset.parent.resolve()), str(demo_dir.resolve())}
@@ -90,8 +155,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
             **({} if "redis_url" in settings.model_fields_set else {"redis_url": f"redis://127.0.0.1:{free_port()}/0"}),
         }
     )
-    console.print(f"[bold]1/5[/] model {model}\n      prompts {dataset}, held out: {', '.join(map(str, eval_files))}")
-    report: dict[str, Any] = {"model": str(model), "dataset": str(dataset), "eval_files": [str(f) for f in eval_files]}
+    report: dict[str, Any] = {}
     inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *shlex.split(args.sglang_args)]
     extraction = extraction_spec(args, dataset, model)
     try:
@@ -135,36 +199,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
     if p.state != "completed":
         raise SystemExit(f"job {p.job_id} ended {p.state}")
     report["extraction"] = extraction_report(p, job, settings, model, extract_seconds, args.workers)
-
-    console.print(f"[bold]4/5[/] training the drafter on the GPU (at most {args.train_seconds:.0f} s)")
-    report["training"] = train_and_export(job_id, settings, args, demo_dir)
-
-    write_report(report_path, report)  # what was made so far stays, whatever the evaluation does
-
-    console.print("[bold]5/5[/] serving it with SGLang's EAGLE-3 against plain SGLang")
-    eval_started = time.monotonic()
-    engine = evaluate_on_engine(
-        report["training"]["checkpoint"],
-        eval_files,
-        settings=settings,
-        model_path=str(model),
-        options=EngineEvalOptions(
-            settings=args.speculative or DEFAULT_SWEEP,
-            max_new_tokens=args.eval_max_new_tokens,
-            concurrency=args.eval_concurrency,
-            baseline=True,
-            sglang_python=args.sglang_python,
-            sglang_args=shlex.split(args.eval_sglang_args),
-            work_dir=demo_dir / "engine-eval",
-        ),
-    )
-    report["engine_eval"] = engine
-    report["engine_eval_seconds"] = round(time.monotonic() - eval_started, 1)
-    report["demo_wall_seconds"] = round(time.monotonic() - started, 1)
-    console.print(engine_table(engine))
-    console.print(stage_summary(report))
-    write_report(report_path, report)
-    console.print(f"report written to {report_path}")
+    return report
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
@@ -287,8 +322,11 @@ def stage_summary(report: dict[str, Any]) -> str:
         f"training          {training['wall_seconds']:>8.1f} s  {training['train_tokens']:>10,} tokens  "
         f"{training['tokens_per_second']:>10,.0f} tok/s ({training['steps']} steps)",
         f"engine evaluation {report['engine_eval_seconds']:>8.1f} s",
-        f"whole demo        {report['demo_wall_seconds']:>8.1f} s",
     ]
+    # The stages may have run in several commands (--resume): their sum, not one wall clock.
+    total = report["stack_start_seconds"] + regeneration["wall_seconds"] + extraction["wall_seconds"]
+    total += training["wall_seconds"] + report["engine_eval_seconds"]
+    lines.append(f"the stages         {total:>8.1f} s")
     return "\n".join(lines)
 
 
@@ -318,4 +356,8 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
         help="serving settings to evaluate (default 7,1,8, 5,1,6 and 3,1,4); repeat to sweep",
     )
     group.add_argument("--eval-concurrency", type=int, default=16)
+    group.add_argument(
+        "--resume", action="store_true", help="skip the stages the report (--report) already holds, run the rest"
+    )
+    group.add_argument("--until", choices=STAGES, default="evaluation", help="stop after this stage")
     demo_parser.set_defaults(func=cmd_demo)

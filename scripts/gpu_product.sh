@@ -3,23 +3,29 @@
 # ../shared/tools/sglang-h200/sglang_device.sh (stage ... install smollm2). Run from the repository root there:
 #   bash scripts/gpu_product.sh STEP [STEP...]
 #
-# The whole run, as five carries and three commands of about 20 device-minutes (2026-12-03; each carry under the
-# 64 MiB a command may send, the folders made here first by make_sglang_carry.sh flashmla model stack, and by
+# The whole run, as five carries and three stage commands (2026-12-03; each carry under the 64 MiB a command may
+# send, the folders made here first by make_sglang_carry.sh flashmla model stack (again after the project's code
+# changed: .sgl_b2 carries the capture plugin built from it), and by
 # `eagle3 prompts --out .gpu_data --train 4000 --eval 24` plus the wheels in .gpu_wheels):
 #   1 carry .sgl_b1 .sgl_fm             bash .sgl_b1/sglang_device.sh stage preflight
 #   2 carry .sgl_b2 .gpu_data           bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
 #   3 carry .sgl_m1                     bash /tmp/sglang_device.sh stage
 #   4 carry .sgl_s .gpu_wheels          bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
 #   5 carry .sgl_m2                     bash /tmp/sglang_device.sh stage install smollm2;
-#                                       GPU_WAIT_S=420 bash scripts/gpu_product.sh deps demo wait
-#   6 (nothing)                         GPU_WAIT_S=540 bash scripts/gpu_product.sh wait    (again until it ends)
-# The machine is given back 30 s after a command ends: make the calls back to back, and fix nothing in between.
+#                                       bash scripts/gpu_product.sh deps extract
+#   6 (nothing)                         bash scripts/gpu_product.sh train
+#   7 (nothing)                         bash scripts/gpu_product.sh evaluate
+# Every process a command started ends with it (a demo left running in the background was stopped at the end of its
+# command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
+# --resume` goes on from the report the stage before wrote. The machine is given back 30 s after a command ends (and
+# its start counts about 4.5 device-minutes): make the calls back to back, and fix nothing in between.
 # Steps:
 #   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp (a later command that does not carry them
 #               finds them there)
 #   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
-#   demo        start `eagle3 demo --gpu` in the background (it outlives this command while the machine is held)
-#   wait        follow the background demo for up to GPU_WAIT_S seconds (default 540), then copy its report and logs
+#   extract     `eagle3 demo --gpu --until extraction`: the stack, regeneration, extraction, SGLang's own rates
+#   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
+#   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (two serving settings, to fit)
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS (more arguments), OUT (where results go back).
@@ -39,7 +45,6 @@ export EAGLE3_HOME=${EAGLE3_HOME:-/tmp/eagle3-home}
 # The staged sglang-kernel lacks FA3 (sglang_device.sh says why): Triton attention, PyTorch sampling, and no radix
 # cache (its compiled core misreads torch 2.11's dtypes). CUDA graphs stay on.
 DEVICE_ARGS="--attention-backend triton --sampling-backend pytorch --disable-radix-cache"
-DEMO_LOG=/tmp/gpu_demo.log
 
 for step in "$@"; do
   echo "===== $step $(date +%T)"
@@ -61,27 +66,23 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${missing[@]}"
     fi
     python3 -c "import eagle3.cli, services.worker.celery_app, services.producer.app; print('project imports ok')" ;;
-  demo)
-    ls -la "$DATA"
-    # setsid: the demo runs on after this command returns (the machine keeps it until it is given back).
-    setsid nohup python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
+  extract|train|evaluate)
+    case $step in
+      extract) stage_args="--until extraction" ;;
+      train) stage_args="--resume --until training" ;;
+      evaluate) stage_args="--resume --speculative 7,1,8 --speculative 3,1,4" ;;
+    esac
+    python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
       --sglang-args "$DEVICE_ARGS" --eval-sglang-args "$DEVICE_ARGS" --report "$EAGLE3_HOME/demo-gpu/report.json" \
-      ${DEMO_ARGS:-} > "$DEMO_LOG" 2>&1 < /dev/null &
-    echo "demo started (pid $!), log $DEMO_LOG" ;;
-  wait)
-    deadline=$(( $(date +%s) + ${GPU_WAIT_S:-540} ))
-    while pgrep -f "eagle3 demo --gpu" > /dev/null && [ "$(date +%s)" -lt "$deadline" ]; do
-      sleep 15; echo "--- $(date +%T)"; tail -c 600 "$DEMO_LOG" | tr '\r' '\n' | tail -n 3
-      nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-    done
-    pgrep -f "eagle3 demo --gpu" > /dev/null && echo "demo still running" || echo "demo finished"
-    cp "$DEMO_LOG" "$OUTD/demo.log"
-    [ -f "$EAGLE3_HOME/demo-gpu/report.json" ] && cp "$EAGLE3_HOME/demo-gpu/report.json" "$OUTD/demo_report.json"
+      $stage_args ${DEMO_ARGS:-} > "$OUTD/demo-$step.log" 2>&1
+    rc=$?
+    tail -n 40 "$OUTD/demo-$step.log"
+    cp "$EAGLE3_HOME/demo-gpu/report.json" "$OUTD/demo_report.json" 2>/dev/null
     # Logs and partial results only: the exported drafters (tens of MB) stay behind.
     (cd "$EAGLE3_HOME/demo-gpu" && find logs engine-eval -name '*.log' -o -name '*.json' 2>/dev/null \
-      | tar czf "$OUTD/demo_logs.tgz" -T -)
-    tail -n 60 "$DEMO_LOG" ;;
+      | tar czf "$OUTD/demo-$step-logs.tgz" -T -)
+    [ $rc = 0 ] || exit $rc ;;
   eval)
     ckpt=${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT}
     python3 -m eagle3 eval --engine sglang --checkpoint "$ckpt" --model "$MODEL" \

@@ -1,6 +1,8 @@
 """`eagle3 demo --gpu` without a GPU: its sizes apply only with --gpu, and its report sets every stage against
 SGLang's own rate on the same work. The run itself is on the lent H200 (docs/benchmarks.md)."""
 
+import json
+
 import pytest
 
 from eagle3 import cli
@@ -28,7 +30,6 @@ def test_the_report_sets_each_stage_against_sglangs_own_rate() -> None:
         "extraction": {"wall_seconds": 12.1, "tokens_committed": 2344378, "tokens_per_second": 193054.0},
         "training": {"wall_seconds": 182.6, "train_tokens": 16570242, "tokens_per_second": 91979.7, "steps": 567},
         "engine_eval_seconds": 300.0,
-        "demo_wall_seconds": 900.0,
         "sglang_baseline": {"decode_tokens_per_second": 10019.0, "prefill_tokens_per_second": 386108.0},
     }
     lines = stage_summary(report).splitlines()
@@ -36,6 +37,7 @@ def test_the_report_sets_each_stage_against_sglangs_own_rate() -> None:
     extraction = next(line for line in lines if line.startswith("extraction"))
     assert "0.90x SGLang's own decoding (10,019 tok/s)" in regeneration
     assert "0.50x SGLang's own prefill (386,108 tok/s)" in extraction
+    assert lines[-1].split() == ["the", "stages", "822.8", "s"]  # 126.6 + 201.5 + 12.1 + 182.6 + 300.0
     del report["sglang_baseline"]
     assert "SGLang's own" not in stage_summary(report)
 
@@ -43,3 +45,20 @@ def test_the_report_sets_each_stage_against_sglangs_own_rate() -> None:
 def test_a_dataset_without_held_out_prompts_is_refused() -> None:
     with pytest.raises(SystemExit, match="--dataset needs --eval-prompts-file"):
         cli.main(["demo", "--gpu", "--dataset", "train.jsonl"])
+
+
+def test_resume_needs_the_report_of_an_earlier_run(tmp_path) -> None:
+    with pytest.raises(SystemExit, match="--resume: no report at"):
+        cli.main(["demo", "--gpu", "--resume", "--report", str(tmp_path / "report.json")])
+
+
+def test_resume_skips_the_stages_the_report_holds(tmp_path, tiny_model_dir, capsys) -> None:
+    report = tmp_path / "report.json"
+    done = {"extraction": {"job_id": "job-x"}, "training": {"checkpoint": "job-x/trainer/demo-gpu/step_1.pt"}}
+    report.write_text(json.dumps(done))
+    cli.main(
+        ["demo", "--gpu", "--resume", "--until", "training", "--report", str(report), "--model", str(tiny_model_dir)]
+    )
+    out = capsys.readouterr().out
+    assert "extraction job job-x: done before" in out and "job-x/trainer/demo-gpu/step_1.pt: trained before" in out
+    assert json.loads(report.read_text()) == done  # nothing ran, nothing was rewritten
