@@ -96,10 +96,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
     except Eagle3Error as exc:
         raise SystemExit(f"demo failed: {exc}") from exc
 
-    console.print(progress_table(p))
-    if p.state != "completed":
-        raise SystemExit(f"job {p.job_id} ended {p.state}")
-    report = extraction_report(p, job, settings, model, wall_seconds, args.workers)
+    report = completed_extraction(p, job, settings, model, wall_seconds, args.workers)
     if regenerate:
         report["regeneration"] = regeneration
     if train:
@@ -165,6 +162,16 @@ def regenerate_demo_data(
         "generated_tokens_per_second": round(p.tokens_done / wall_seconds, 1),
         "output": f"{settings.storage_url.rstrip('/')}/{r.output_key}",
     }
+
+
+def completed_extraction(
+    p: JobProgress, job: dict, settings: Settings, model: Path, wall_seconds: float, workers: int
+) -> dict[str, Any]:
+    """The extraction's table, then its report; the demo stops here when the job did not complete."""
+    console.print(progress_table(p))
+    if p.state != "completed":
+        raise SystemExit(f"job {p.job_id} ended {p.state}")
+    return extraction_report(p, job, settings, model, wall_seconds, workers)
 
 
 def extraction_report(

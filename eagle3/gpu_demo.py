@@ -21,7 +21,7 @@ from typing import Any
 
 from eagle3 import demo
 from eagle3.api import check
-from eagle3.demo import apply_defaults, extraction_report, extraction_spec, regenerate_demo_data
+from eagle3.demo import apply_defaults, completed_extraction, extraction_spec, regenerate_demo_data
 from eagle3.engine_eval import (
     EngineEvalOptions,
     SpeculativeConfig,
@@ -30,7 +30,7 @@ from eagle3.engine_eval import (
     evaluate_on_engine,
     speculative_setting,
 )
-from eagle3.jobs import console, exit_on_sigterm, progress_table, watch
+from eagle3.jobs import console, exit_on_sigterm, watch
 from eagle3.local_stack import LocalStack, free_port
 from shared.data.datasets import Conversation, read_dataset
 from shared.data.model_assets import resolve_model_path
@@ -195,10 +195,7 @@ def extract_through_the_stack(
         raise SystemExit(130) from None
     except Eagle3Error as exc:
         raise SystemExit(f"demo failed: {exc}") from exc
-    console.print(progress_table(p))
-    if p.state != "completed":
-        raise SystemExit(f"job {p.job_id} ended {p.state}")
-    report["extraction"] = extraction_report(p, job, settings, model, extract_seconds, args.workers)
+    report["extraction"] = completed_extraction(p, job, settings, model, extract_seconds, args.workers)
     return report
 
 
