@@ -7,6 +7,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from shared.lifecycle import progress, shard_metrics
+from shared.lifecycle.kinds import KINDS
 from shared.ops import cluster, timeline
 from shared.settings import Settings
 
@@ -25,14 +26,9 @@ _GAUGES = {
     "tokens_per_second": "Committed tokens per second over the recent window",
     "eta_seconds": "Seconds to completion at the recent rate",
 }
-# Regenerate jobs: their tokens above are generated tokens; these count conversations.
-_REGENERATION_GAUGES = {
-    "turns_done": "Assistant turns regenerated",
-    "conversations_with_reasoning": "Regenerated conversations with reasoning text",
-    "conversations_truncated": "Regenerated conversations with a turn cut at max_new_tokens",
-    "conversations_empty": "Regenerated conversations with an empty turn",
-    "conversations_failed": "Conversations that failed, recorded with their reason",
-}
+# Each kind's own counters (JobKind.counters), with their help as the kind declares it. A regenerate job's tokens
+# above are generated tokens; its counters count conversations and turns.
+_KIND_GAUGES = {name: doc for kind in KINDS.values() for name, doc in kind.counters.items()}
 
 
 class JobsCollector(Collector):
@@ -44,9 +40,9 @@ class JobsCollector(Collector):
             name: GaugeMetricFamily(f"eagle3_job_{name}", doc, labels=["job_id", "state"])
             for name, doc in _GAUGES.items()
         }
-        regeneration = {
+        kind_counters = {
             name: GaugeMetricFamily(f"eagle3_job_{name}", doc, labels=["job_id", "state"])
-            for name, doc in _REGENERATION_GAUGES.items()
+            for name, doc in _KIND_GAUGES.items()
         }
         reruns = CounterMetricFamily(
             "eagle3_job_shards_rerun",
@@ -75,14 +71,14 @@ class JobsCollector(Collector):
                 if value is not None:
                     family.add_metric([job_id, p.state], float(value))
             reruns.add_metric([job_id, p.state], float(p.shards_rerun))
-            if p.regeneration is not None:
-                for name, family in regeneration.items():
-                    family.add_metric([job_id, p.state], float(getattr(p.regeneration, name)))
+            if p.regeneration is not None:  # the progress of the one kind with counters of its own reports them
+                for name in KINDS[p.kind].counters:
+                    kind_counters[name].add_metric([job_id, p.state], float(getattr(p.regeneration, name)))
             activity = timeline.job_activity(self.client, p, stall_after_s=self.settings.stall_after_s)
             since_commit.add_metric([job_id, p.state], activity.seconds_since_commit)
             stalled.add_metric([job_id, p.state], float(activity.stalled))
         yield from families.values()
-        yield from regeneration.values()
+        yield from kind_counters.values()
         yield reruns
         yield since_commit
         yield stalled

@@ -14,14 +14,16 @@ from shared.settings import Settings
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer.config import config_from_args
     from services.trainer.train import train
-    from shared.lifecycle.kinds.regenerate import training_job_id
+    from shared.lifecycle.kinds import kind_of
+    from shared.lifecycle.shards import load_job
     from shared.storage.objects import open_storage
 
-    # A regenerate job (then_extract) trains on its chained extraction job; following, wait for it to be submitted.
-    job_id = training_job_id(
-        open_storage(settings.storage_url, settings),
-        args.job,
-        wait_s=float("inf") if getattr(args, "follow", False) else 0.0,
+    # The job's kind names the job to train on (a regenerate job: its chained extraction job); following, wait for
+    # it to be submitted.
+    storage = open_storage(settings.storage_url, settings)
+    job = load_job(storage, args.job)
+    job_id = kind_of(job.kind).training_job(
+        storage, job, wait_s=float("inf") if getattr(args, "follow", False) else 0.0
     )
     summary = train(
         config_from_args(args, job_id=job_id), settings=settings, resume=args.resume, resume_from=args.resume_from

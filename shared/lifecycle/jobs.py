@@ -200,7 +200,7 @@ def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueu
     recovery.index_job(storage, job.job_id)
     if not storage.put_if_absent(layout.job_json(job.job_id), job.model_dump_json(indent=2).encode()):
         raise SubmitError(f"job {job.job_id} was created concurrently by another submit")
-    progress.register_job(client, job, storage.url)
+    progress.register_job(client, job, storage.url, kind_of(job.kind))
     recovery.publish(storage, client, job, enqueue=enqueue)
 
 
@@ -221,15 +221,15 @@ def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enque
     kind = kind_of(job.kind)
     recovery.index_job(storage, job_id)  # a job published before the index existed
     if not client.exists(progress.job_key(job_id)):
-        progress.register_job(client, job, storage.url)
+        progress.register_job(client, job, storage.url, kind)
     client.hdel(progress.job_key(job_id), "cancelled")
     storage.delete(layout.cancelled(job_id))
-    progress.rebuild(client, storage, job)
+    progress.rebuild(client, storage, job, kind)
     committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
     pending = [k for k in range(job.shards_total) if k not in committed]
     for shard_index in pending:
         if storage.exists(layout.dead_letter(job_id, shard_index)):
-            samples, tokens = kind.shard_size(load_shard_input(storage, job, shard_index))
+            samples, tokens = kind.dead_shard_size(storage, job_id, shard_index)  # as rebuild counted it
             progress.forget_dead_letter(client, job_id, shard_index, num_samples=samples, num_tokens=tokens)
             storage.delete(layout.dead_letter(job_id, shard_index))
         enqueue(job.kind, job_id, shard_index)

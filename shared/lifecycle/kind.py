@@ -6,13 +6,16 @@
   per job -> load the shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest
   create-only and count it once -> dead letter when it fails for good.
 
-A kind says what a shard input is (`plan`, `input_type`), what processing a shard means (`process`) and what its
-committed output is (`manifest_type`). Adding a kind is one new module in this package and one line in
+A kind says what a shard input is (`plan`, `input_type`), what processing a shard means (`process`), what its
+committed output is (`manifest_type`), which counters of its own that output adds to the job's progress (`counters`)
+and which job a drafter trains on (`training_job`). Adding a kind is one new module in this package and one line in
 `shared/lifecycle/kinds/__init__.py`.
 """
 
 import json
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
@@ -28,7 +31,9 @@ from shared.lifecycle.queue import task_name
 from shared.lifecycle.schemas import DeadLetter, FailedConversation, JobRecord, JobSpec, ModelRecord
 from shared.settings import Settings
 from shared.storage import layout
-from shared.storage.objects import Storage
+from shared.storage.objects import ObjectNotFound, Storage
+
+logger = logging.getLogger(__name__)
 
 InputT = TypeVar("InputT", bound=BaseModel)  # one shard's planned input (inputs/shard_{k}.json)
 ItemT = TypeVar("ItemT", bound=BaseModel)  # one element of it: a sample, a conversation
@@ -104,6 +109,10 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     name: ClassVar[str]  # JobSpec.kind
     input_type: ClassVar[type[BaseModel]]
     manifest_type: ClassVar[type[BaseModel]]
+    # This kind's own counters in its jobs' progress, beside progress.COUNTERS: name -> what it counts (its metric's
+    # help). A committed manifest adds to them through its `counters`; progress sets them to zero when it registers a
+    # job and recounts them from the manifests, so every counter a manifest carries is declared here.
+    counters: ClassVar[Mapping[str, str]] = {}
 
     @property
     def task_name(self) -> str:
@@ -176,6 +185,22 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
         """(samples, tokens) a dead-lettered shard takes from the job's progress."""
         items = self.items(shard)
         return len(items), 0
+
+    def dead_shard_size(self, storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]:
+        """shard_size of a dead-lettered shard's planned input. A shard whose input is missing still counts as a dead
+        shard, with nothing in it: progress cannot count what was never planned, and its dead letter says why."""
+        try:
+            return self.shard_size(read_shard_input(self, storage, job_id, shard_index))
+        except ObjectNotFound:
+            logger.error("job=%s shard=%d has no input in %s", job_id, shard_index, storage.url)
+            return 0, 0
+
+    # ---- training (the trainer) -------------------------------------------------------------------------------
+
+    def training_job(self, storage: Storage, job: JobRecord, *, wait_s: float = 0.0) -> str:
+        """The id of the job whose output a drafter trains on when asked to train on `job`: the job itself. A kind
+        whose output is not training data names the job that turns it into some, waiting up to wait_s for it."""
+        return job.job_id
 
 
 def check_served_model(job: JobRecord, info: ModelInfo, base_url: str, *, capture: bool) -> None:

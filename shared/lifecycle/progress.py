@@ -2,14 +2,15 @@
 and the token-weighted view (rate, ETA, bytes, budget) that the API, the CLI and /metrics all show.
 
 Storage is the truth (a shard exists iff its manifest exists); Redis holds counters that `rebuild()`
-can recompute from storage at any time.
+can recompute from storage at any time. Beside the counters here, a job kind may declare counters of its own
+(JobKind.counters), which its manifests add to; the callers, which know the job's kind, pass it in (CountedKind).
 """
 
-import json
 import logging
 import math
 import time
-from typing import TypeVar
+from collections.abc import Mapping
+from typing import Protocol, TypeVar
 
 import redis
 from pydantic import BaseModel
@@ -40,14 +41,6 @@ COUNTERS = (
     "samples_failed",
     "tokens_failed",
 )
-# Regenerate jobs only: added per committed shard from its manifest's `counters`.
-REGENERATION_COUNTERS = (
-    "turns_done",
-    "conversations_with_reasoning",
-    "conversations_truncated",
-    "conversations_empty",
-    "conversations_failed",
-)
 # Fields of the job hash that are not numbers.
 _TEXT_FIELDS = (
     "storage_url",
@@ -59,6 +52,16 @@ _TEXT_FIELDS = (
     "finalize_error",
     "paused_reason",
 )
+
+
+class CountedKind(Protocol):
+    """What progress needs of a job's kind (a shared/lifecycle/kind.JobKind, which progress does not import: the kind
+    contract loads torch through the capture protocol, and the kinds sit above progress): the counters of its own that
+    its manifests add to, and how much of the job a dead-lettered shard takes."""
+
+    counters: Mapping[str, str]
+
+    def dead_shard_size(self, storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]: ...
 
 
 REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -145,14 +148,14 @@ def _keys(job_id: str) -> list[str]:
     return [job_key(job_id), committed_key(job_id), dead_key(job_id), events_key(job_id)]
 
 
-def register_job(client: redis.Redis, job: JobRecord, storage_url: str) -> None:
+def register_job(client: redis.Redis, job: JobRecord, storage_url: str, kind: CountedKind) -> None:
+    """The job's hash (its plan's numbers, every counter at zero, its kind's too) and its entry in the job list."""
     created = time.time()
     regeneration = {}
     if job.regeneration is not None:
         regeneration = {
             "max_generated_tokens": job.regeneration.max_generated_tokens,
             "output_key": job.regeneration.output_key,
-            **{name: 0 for name in REGENERATION_COUNTERS},
         }
     with client.pipeline() as pipe:
         pipe.hset(
@@ -160,6 +163,7 @@ def register_job(client: redis.Redis, job: JobRecord, storage_url: str) -> None:
             mapping={
                 "kind": job.kind,
                 **regeneration,
+                **{name: 0 for name in kind.counters},
                 "storage_url": storage_url,
                 "created_ts": created,
                 "created_at": job.created_at,
@@ -176,7 +180,8 @@ def register_job(client: redis.Redis, job: JobRecord, storage_url: str) -> None:
 
 
 def record_commit(client: redis.Redis, manifest: Manifest | RegenerationManifest) -> bool:
-    """Count a committed shard once (with a regeneration manifest's counters); True if this call counted it."""
+    """Count a committed shard once (with the counters of its kind its manifest carries); True if this call
+    counted it."""
     args: list[str | int] = [
         manifest.shard_index,
         manifest.num_samples,
@@ -261,15 +266,8 @@ class _CommittedShard(BaseModel):
     counters: dict[str, int] = {}
 
 
-def shard_size(storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]:
-    """(samples, prompt tokens) of a planned shard; a regeneration shard has no prompt tokens planned."""
-    shard = json.loads(storage.get(layout.shard_input(job_id, shard_index)))
-    samples = shard["samples"] if "samples" in shard else shard["conversations"]
-    return len(samples), sum(len(s.get("input_ids", ())) for s in samples)
-
-
-def rebuild(client: redis.Redis, storage: Storage, job: JobRecord) -> None:
-    """Recompute every counter from storage (manifests and dead letters are the truth)."""
+def rebuild(client: redis.Redis, storage: Storage, job: JobRecord, kind: CountedKind) -> None:
+    """Recompute every counter from storage (manifests and dead letters are the truth), the kind's own included."""
     shards: dict[int, tuple[int, int]] = {}
     committed: list[_CommittedShard] = []
     for key in storage.list(layout.manifests_prefix(job.job_id)):
@@ -281,8 +279,8 @@ def rebuild(client: redis.Redis, storage: Storage, job: JobRecord) -> None:
         if letter.shard_index not in committed_indices:
             dead.append(letter)
     for letter in dead:
-        shards[letter.shard_index] = shard_size(storage, job.job_id, letter.shard_index)
-    counters = COUNTERS + (REGENERATION_COUNTERS if job.kind == "regenerate" else ())
+        shards[letter.shard_index] = kind.dead_shard_size(storage, job.job_id, letter.shard_index)
+    counters = (*COUNTERS, *kind.counters)
     with client.pipeline() as pipe:
         pipe.delete(committed_key(job.job_id), dead_key(job.job_id))
         pipe.hset(job_key(job.job_id), mapping={name: 0 for name in counters})
@@ -370,13 +368,17 @@ def job_progress(
     regeneration = None
     if kind == "regenerate":
         tokens_total = _projected_generated_tokens(number, finished=finished)
-        regeneration = RegenerationProgress(
-            **{name: number.get(name, 0) for name in REGENERATION_COUNTERS},
-            max_generated_tokens=number.get("max_generated_tokens", number["tokens_total"]),
-            finalized=bool(number.get("finalized")),
-            output_key=fields.get("output_key"),
-            chained_job_id=fields.get("chained_job_id"),
-            error=fields.get("finalize_error"),
+        # Its counts are the regenerate kind's counters, fields of the job's hash like every counter: the model
+        # takes the ones it declares.
+        regeneration = RegenerationProgress.model_validate(
+            number
+            | {
+                "max_generated_tokens": number.get("max_generated_tokens", number["tokens_total"]),
+                "finalized": bool(number.get("finalized")),
+                "output_key": fields.get("output_key"),
+                "chained_job_id": fields.get("chained_job_id"),
+                "error": fields.get("finalize_error"),
+            }
         )
     bytes_per_token = (
         number["bytes_stored"] / tokens_done if tokens_done else number["projected_bytes"] / max(tokens_total, 1)

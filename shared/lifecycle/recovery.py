@@ -188,8 +188,9 @@ def recover_jobs(storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> 
 def recover_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue) -> int:
     """Register a job Redis does not know, with its progress recounted from storage, and publish its unfinished
     shards unless it was cancelled; returns how many shards were enqueued."""
-    progress.register_job(client, job, storage.url)
-    progress.rebuild(client, storage, job)
+    kind = kind_of(job.kind)
+    progress.register_job(client, job, storage.url, kind)
+    progress.rebuild(client, storage, job, kind)
     if storage.exists(layout.cancelled(job.job_id)):
         client.hset(progress.job_key(job.job_id), "cancelled", 1)
         return 0
@@ -198,7 +199,7 @@ def recover_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueu
     pending = [k for k in range(job.shards_total) if k not in committed]
     # What else the kind runs again (a regenerate job whose shards are all committed assembles its output again:
     # whether it had was in Redis).
-    again = kind_of(job.kind).after_resume(storage, client, job, pending)
+    again = kind.after_resume(storage, client, job, pending)
     for shard_index in again:
         enqueue(job.kind, job.job_id, shard_index)
     return sent + len(again)

@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.access import JOB_ID_PATTERN
 from shared.provenance import Provenance
@@ -20,8 +20,17 @@ def utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
+# job.json and what it holds refuse a key they do not know rather than drop it: a field that a newer version or a kind
+# wrote, or a typo in a submit (the API answers 422 naming it), would otherwise be lost without a word. No field of
+# them was ever removed or renamed (git log -p -- shared/schemas.py shared/lifecycle/schemas.py; every one added since
+# has a default), so every job.json written so far reads. One that goes away must be accepted and dropped explicitly.
+JOB_JSON_CONFIG = ConfigDict(extra="forbid")
+
+
 class JobSpec(BaseModel):
     """What a user asks for. Recorded in job.json; every knob that changes the output is here."""
+
+    model_config = JOB_JSON_CONFIG
 
     dataset_url: str = Field(description="file:///abs/data.jsonl, a local path, or s3://bucket/key.jsonl")
     model_path: str | None = Field(
@@ -77,6 +86,8 @@ class JobSpec(BaseModel):
 
 
 class ModelRecord(BaseModel):
+    model_config = JOB_JSON_CONFIG
+
     path: str
     architecture: str
     num_hidden_layers: int
@@ -87,6 +98,8 @@ class ModelRecord(BaseModel):
 
 class RegenerationPlan(BaseModel):
     """What a regenerate job will produce, recorded in its job.json at submit."""
+
+    model_config = JOB_JSON_CONFIG
 
     assistant_turns_total: int
     max_generated_tokens: int  # assistant turns x max_new_tokens: the upper bound of the work
@@ -99,6 +112,8 @@ class RegenerationPlan(BaseModel):
 
 class JobRecord(BaseModel):
     """job.json: written once at submit, read by workers and the trainer."""
+
+    model_config = JOB_JSON_CONFIG
 
     job_id: str
     created_at: str

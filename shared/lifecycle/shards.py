@@ -150,12 +150,7 @@ def dead_letter(
         retries=retries,
         worker=ctx.worker,
     )
-    try:
-        shard = read_shard_input(kind, storage, job_id, shard_index)
-        samples, tokens = kind.shard_size(shard)
-    except ObjectNotFound:
-        samples, tokens = 0, 0  # the letter still says why; progress cannot count what was never planned
-        logger.error("job=%s shard=%d has no input in %s", job_id, shard_index, storage.url)
+    samples, tokens = kind.dead_shard_size(storage, job_id, shard_index)
     storage.put(layout.dead_letter(job_id, shard_index), letter.model_dump_json(indent=1).encode())
     progress.record_dead_letter(client, letter, num_samples=samples, num_tokens=tokens)
     logger.error("dead-lettered job=%s shard=%d after %d retries: %s", job_id, shard_index, retries, reason)

@@ -9,6 +9,7 @@ import redis
 from celery import Celery
 
 from shared.lifecycle import progress, shard_metrics
+from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.queue import SHARD_QUEUE, ShardSender, task_id, task_name
 from shared.lifecycle.schemas import DeadLetter, Manifest
 from shared.ops import cluster, timeline
@@ -23,7 +24,7 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 
 def make_job(client: redis.Redis, job_id: str, *, shards: int, tokens_per_shard: int) -> None:
     job = make_progress_job(shards=shards, tokens_per_shard=tokens_per_shard).model_copy(update={"job_id": job_id})
-    progress.register_job(client, job, "file:///storage")
+    progress.register_job(client, job, "file:///storage", EXTRACT)
 
 
 def _manifest(job_id: str, shard_index: int, tokens: int) -> Manifest:

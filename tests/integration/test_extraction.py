@@ -133,7 +133,7 @@ def test_samples_written_before_a_crash_are_reused(
     file_storage.delete(manifest.samples[-1].key)
     kept = {s.key: file_storage.get(s.key) for s in manifest.samples[:-1]}
     redis.Redis.from_url(redis_url).flushdb()
-    progress.register_job(redis.Redis.from_url(redis_url), job, file_storage.url)
+    progress.register_job(redis.Redis.from_url(redis_url), job, file_storage.url, EXTRACT)
     extract(job.job_id, 0, file_storage, redis_url, reference_server_url)
     again = Manifest.model_validate_json(file_storage.get(layout.manifest(job.job_id, 0)))
     assert [s.key for s in again.samples] == [s.key for s in manifest.samples]

@@ -15,6 +15,7 @@ from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
 from tests.datasets import write_dataset
+from tests.integration.test_progress import make_job
 
 
 @pytest.fixture
@@ -82,3 +83,10 @@ def test_a_shard_without_its_input_is_still_dead_lettered(
 def test_an_unknown_kind_is_refused_by_name() -> None:
     with pytest.raises(SubmitError, match="job kind 'evaluate': not one of"):
         kind_of("evaluate")
+
+
+def test_a_drafter_trains_on_an_extraction_job_itself(storage: Storage) -> None:
+    """The trainer asks the job's kind which job to train on (a regenerate job names its chained extraction job:
+    tests/integration/test_regeneration.py)."""
+    job = make_job()
+    assert kind_of(job.kind).training_job(storage, job) == job.job_id

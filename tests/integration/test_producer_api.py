@@ -108,6 +108,25 @@ def test_bad_submit_is_refused_and_nothing_is_enqueued(
     assert api.enqueued == [] and api.client.get("/v1/jobs").json() == []
 
 
+def test_an_unknown_field_in_a_submit_is_refused_by_name(api: Api, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A typo is not ignored: the job it was meant for would be planned without what was asked."""
+    dataset, _ = write_dataset(tmp_path / "data.jsonl")
+    spec = {"dataset_url": str(dataset), "model_path": str(tiny_model_dir), "shard_token_budjet": 120}
+    response = api.client.post("/v1/jobs", json=spec)
+    assert response.status_code == 422
+    assert [(e["loc"], e["type"]) for e in response.json()["detail"]] == [
+        (["body", "shard_token_budjet"], "extra_forbidden")
+    ]
+    response = api.client.post(
+        "/v1/jobs/upload",
+        files={"dataset": dataset.open("rb")},
+        data={"spec": f'{{"model_path": "{tiny_model_dir}", "shard_token_budjet": 120}}'},
+    )
+    assert response.status_code == 422
+    assert "shard_token_budjet\n  Extra inputs are not permitted" in response.json()["detail"]
+    assert api.enqueued == [] and api.client.get("/v1/jobs").json() == []
+
+
 def test_job_over_the_storage_budget_is_refused_up_front(redis_url: str, tmp_path: Path, tiny_model_dir: Path) -> None:
     dataset, _ = write_dataset(tmp_path / "data.jsonl")
     settings = api_settings(tmp_path, tiny_model_dir, redis_url=redis_url, storage_budget_bytes=10_000)

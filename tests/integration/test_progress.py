@@ -1,12 +1,16 @@
 """Progress accounting against a real Redis: exactly-once counts, rate, ETA, states, rebuild from storage."""
 
+import logging
 import subprocess
 import threading
 from pathlib import Path
 
+import pytest
 import redis
 
 from shared.lifecycle import progress
+from shared.lifecycle.kinds import EXTRACT
+from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.schemas import (
     DeadLetter,
     JobRecord,
@@ -68,9 +72,28 @@ def make_manifest(shard_index: int, tokens: int = 100, nbytes: int = 50_000) -> 
     return Manifest.of(make_job(), shard_index, samples, worker="w", started_at="t", committed_at="t")
 
 
+class CountedManifest(Manifest):
+    """The manifest of a kind with counters of its own."""
+
+    counters: dict[str, int]
+
+
+WIDGET_COUNTERS = {"widgets_done": "Widgets made"}
+
+
+class Counting(Extract):
+    """A kind beside regenerate with counters of its own, whose dead shard takes only its loss tokens."""
+
+    name = "counting"
+    counters = WIDGET_COUNTERS
+
+    def shard_size(self, shard: ShardInput) -> tuple[int, int]:
+        return len(shard.samples), sum(sum(s.loss_mask) for s in shard.samples)
+
+
 def test_commit_counts_once_and_job_completes(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    progress.register_job(client, make_job(), "file:///tmp/x")
+    progress.register_job(client, make_job(), "file:///tmp/x", EXTRACT)
     assert progress.job_progress(client, "job-a").state == "queued"
     assert progress.record_commit(client, make_manifest(0))
     assert not progress.record_commit(client, make_manifest(0))  # redelivered: not counted again
@@ -95,7 +118,7 @@ def test_commit_counts_once_and_job_completes(redis_url: str) -> None:
 
 def test_dead_letter_then_commit_on_resume_moves_counts(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    progress.register_job(client, make_job(shards=1), "file:///tmp/x")
+    progress.register_job(client, make_job(shards=1), "file:///tmp/x", EXTRACT)
     letter = DeadLetter(
         job_id="job-a", shard_index=0, error_type="InferenceUnavailable", reason="down", retries=3, worker="w"
     )
@@ -110,7 +133,7 @@ def test_dead_letter_then_commit_on_resume_moves_counts(redis_url: str) -> None:
 
 def test_cancel_marks_job_cancelled(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    progress.register_job(client, make_job(), "file:///tmp/x")
+    progress.register_job(client, make_job(), "file:///tmp/x", EXTRACT)
     progress.cancel(client, "job-a")
     assert progress.is_cancelled(client, "job-a")
     assert progress.job_progress(client, "job-a").state == "cancelled"
@@ -120,7 +143,7 @@ def test_rebuild_recounts_from_storage(redis_url: str, tmp_path) -> None:
     client = redis.Redis.from_url(redis_url)
     storage = open_storage(tmp_path.as_uri())
     job = make_job()
-    progress.register_job(client, job, storage.url)
+    progress.register_job(client, job, storage.url, EXTRACT)
     for k in range(2):
         storage.put(layout.manifest("job-a", k), make_manifest(k).model_dump_json().encode())
     shard = ShardInput(
@@ -132,16 +155,57 @@ def test_rebuild_recounts_from_storage(redis_url: str, tmp_path) -> None:
     letter = DeadLetter(job_id="job-a", shard_index=2, error_type="E", reason="r", retries=0, worker="w")
     storage.put(layout.dead_letter("job-a", 2), letter.model_dump_json().encode())
     client.flushdb()  # Redis lost everything
-    progress.register_job(client, job, storage.url)
-    progress.rebuild(client, storage, job)
+    progress.register_job(client, job, storage.url, EXTRACT)
+    progress.rebuild(client, storage, job, EXTRACT)
     p = progress.job_progress(client, "job-a")
     assert (p.shards_committed, p.tokens_done, p.shards_dead_lettered, p.tokens_failed) == (2, 200, 1, 60)
     assert p.state == "completed_with_errors"
 
 
+def test_a_rebuild_counts_the_counters_of_the_jobs_kind_once(redis_url: str, tmp_path: Path) -> None:
+    """resume rebuilds a job that Redis still knows: a kind's own counters are reset before the manifests are counted
+    again, like progress's."""
+    client = redis.Redis.from_url(redis_url)
+    storage = open_storage(tmp_path.as_uri())
+    job = make_job()
+    progress.register_job(client, job, storage.url, Counting())
+    assert client.hget(progress.job_key("job-a"), "widgets_done") == b"0"
+    for k in range(2):
+        manifest = CountedManifest(**make_manifest(k).model_dump(), counters={"widgets_done": 3})
+        storage.put(layout.manifest("job-a", k), manifest.model_dump_json().encode())
+        assert progress.record_commit(client, manifest)
+    progress.rebuild(client, storage, job, Counting())
+    progress.rebuild(client, storage, job, Counting())
+    assert client.hget(progress.job_key("job-a"), "widgets_done") == b"6"
+    p = progress.job_progress(client, "job-a")
+    assert (p.shards_committed, p.tokens_done, p.state) == (2, 200, "running")
+
+
+def test_a_rebuild_sizes_a_dead_shard_as_its_kind_does_and_counts_one_without_input(
+    redis_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    storage = open_storage(tmp_path.as_uri())
+    job = make_job()
+    progress.register_job(client, job, storage.url, Counting())
+    storage.put(layout.manifest("job-a", 0), make_manifest(0).model_dump_json().encode())
+    sample = SampleInput(sample_index=2, sample_id="s", line=3, input_ids=[1] * 60, loss_mask=[0] * 40 + [1] * 20)
+    shard = ShardInput(job_id="job-a", shard_index=1, samples=[sample])
+    storage.put(layout.shard_input("job-a", 1), shard.model_dump_json().encode())
+    for k in (1, 2):  # shard 2's input is gone
+        letter = DeadLetter(job_id="job-a", shard_index=k, error_type="E", reason="r", retries=0, worker="w")
+        storage.put(layout.dead_letter("job-a", k), letter.model_dump_json().encode())
+    with caplog.at_level(logging.ERROR, logger="shared.lifecycle.kind"):
+        progress.rebuild(client, storage, job, Counting())
+    p = progress.job_progress(client, "job-a")
+    assert (p.shards_committed, p.shards_dead_lettered, p.samples_failed, p.tokens_failed) == (1, 2, 1, 20)
+    assert p.state == "completed_with_errors"
+    assert f"job=job-a shard=2 has no input in {storage.url}" in caplog.text
+
+
 def test_a_paused_job_says_why_until_a_shard_commits(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
-    progress.register_job(client, make_job(), "file:///tmp/x")
+    progress.register_job(client, make_job(), "file:///tmp/x", EXTRACT)
     reason = "storage full: s3 put b/k: storage full (InsufficientStorage: no room)"
     progress.record_pause(client, "job-a", reason)
     p = progress.job_progress(client, "job-a")
@@ -172,7 +236,7 @@ def test_a_progress_client_rides_out_a_redis_restart(tmp_path: Path) -> None:
             f"redis://127.0.0.1:{port}/0", outage_wait_s=Settings(_env_file=None).redis_outage_wait_s
         )
         job = make_job()
-        progress.register_job(client, job, "file:///s")
+        progress.register_job(client, job, "file:///s", EXTRACT)
         servers[0].terminate()  # SIGTERM, as a container restart: Redis saves its append-only file and exits
         servers[0].wait(timeout=10)
         later = threading.Timer(3.0, start)

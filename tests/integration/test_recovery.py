@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from shared.lifecycle import progress, recovery
+from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.schemas import DeadLetter, JobRecord
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
@@ -31,7 +32,7 @@ def published(storage: Storage, client: redis.Redis, job: JobRecord) -> None:
     """What submit leaves: the index entry, job.json, the job registered."""
     recovery.index_job(storage, job.job_id)
     storage.put(layout.job_json(job.job_id), job.model_dump_json().encode())
-    progress.register_job(client, job, storage.url)
+    progress.register_job(client, job, storage.url, EXTRACT)
 
 
 def test_a_stalled_enqueueing_is_finished_by_a_reaper(client: redis.Redis, storage: Storage) -> None:

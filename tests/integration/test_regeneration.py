@@ -27,7 +27,7 @@ from shared.errors import (
 )
 from shared.lifecycle import jobs, progress, shards
 from shared.lifecycle.kind import ShardContext
-from shared.lifecycle.kinds import REGENERATE
+from shared.lifecycle.kinds import REGENERATE, kind_of
 from shared.lifecycle.kinds import regenerate as regeneration
 from shared.lifecycle.schemas import JobRecord, JobSpec, RegenerationManifest
 from shared.settings import Settings
@@ -429,15 +429,20 @@ def test_the_api_submits_regenerate_jobs_and_shows_their_progress(
 
 
 def test_the_trainer_is_pointed_at_the_chained_extraction_job(setup: Setup) -> None:
+    def training_job(job_id: str, *, wait_s: float = 0.0) -> str:
+        """What the trainer asks (services/trainer/cli.py): the job's kind names the job to train on."""
+        job = shards.load_job(setup.storage, job_id)
+        return kind_of(job.kind).training_job(setup.storage, job, wait_s=wait_s)
+
     plain = setup.submit(max_new_tokens=5)
     with pytest.raises(ConfigurationError, match="without then_extract"):
-        regeneration.training_job_id(setup.storage, plain.job_id)
+        training_job(plain.job_id)
     job = setup.submit(max_new_tokens=5, then_train=True)
     with pytest.raises(ConfigurationError, match="has not submitted its extraction job"):
-        regeneration.training_job_id(setup.storage, job.job_id)
+        training_job(job.job_id)
     setup.run(job.job_id, 0, ScriptedInference(setup.model_dir))
-    assert regeneration.training_job_id(setup.storage, job.job_id, wait_s=60) == f"{job.job_id}-extract"
-    assert regeneration.training_job_id(setup.storage, f"{job.job_id}-extract") == f"{job.job_id}-extract"
+    assert training_job(job.job_id, wait_s=60) == f"{job.job_id}-extract"
+    assert training_job(f"{job.job_id}-extract") == f"{job.job_id}-extract"
 
 
 def test_the_cli_submits_a_regenerate_job(

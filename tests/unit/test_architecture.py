@@ -3,6 +3,8 @@
 - `shared/` is domain logic: it imports no service, not the composition root, and no process machinery (argparse,
   subprocess, FastAPI, uvicorn, Celery) — except the send-only shard client, which uses Celery to send and nothing else;
 - a service (`services/<name>/`) never imports another service or the composition root;
+- a service and the composition root look a job kind up by name in the registry (`shared.lifecycle.kinds`), never
+  import a kind's own module: what differs between kinds is asked of the kind;
 - only the composition root (`eagle3/`) wires several services together;
 - inside `shared/`, the leaves (capture, storage, data and the top-level modules) import nothing of the job lifecycle
   or of ops, the lifecycle imports nothing of ops, and no module imports itself back through others.
@@ -20,6 +22,7 @@ PROCESS_MODULES = {"argparse", "subprocess", "fastapi", "uvicorn", "celery"}
 SEND_ONLY_CLIENT = Path("shared/lifecycle/queue.py")  # Celery as a message sender: no app of tasks, no worker settings
 # What the leaves of shared/ may not import: they sit under the lifecycle, which sits under ops.
 LIFECYCLE_AND_UP = ("shared.lifecycle", "shared.ops")
+KINDS_REGISTRY = "shared.lifecycle.kinds"
 
 
 def imported_modules(source: str) -> set[str]:
@@ -34,12 +37,20 @@ def imported_modules(source: str) -> set[str]:
     return names
 
 
+def is_kind_module(name: str) -> bool:
+    """`shared.lifecycle.kinds.<module>`, not a name the registry exports (`shared.lifecycle.kinds.kind_of`)."""
+    module = name.removeprefix(KINDS_REGISTRY + ".").split(".")[0]
+    return name.startswith(KINDS_REGISTRY + ".") and (ROOT / "shared/lifecycle/kinds" / f"{module}.py").is_file()
+
+
 def violations(path: Path, source: str) -> list[str]:
     """What a module at `path` (relative to the repository root) imports against the rules."""
     found: list[str] = []
     top_dir = path.parts[0]
     for name in sorted(imported_modules(source)):
         parts = name.split(".")
+        if top_dir in ("services", "eagle3") and is_kind_module(name):
+            found.append(f"{path}: imports the job kind module {name} (ask the kind from shared.lifecycle.kinds)")
         if top_dir == "shared":
             if parts[0] in ("services", "eagle3"):
                 found.append(f"{path}: shared imports {name}")
@@ -157,6 +168,12 @@ def test_the_layout_keeps_its_rules() -> None:
         pytest.param(
             "services/worker/tasks.py", "from eagle3.local_stack import LocalStack", id="service-imports-root"
         ),
+        pytest.param(
+            "services/trainer/cli.py",
+            "from shared.lifecycle.kinds.regenerate import REGENERATION_COUNTERS",
+            id="service-imports-a-kind-module",
+        ),
+        pytest.param("eagle3/jobs.py", "from shared.lifecycle.kinds import extract", id="root-imports-a-kind-module"),
     ],
 )
 def test_each_rule_catches_its_violation(path: str, source: str) -> None:
@@ -169,6 +186,8 @@ def test_what_the_rules_allow() -> None:
     assert not violations(SEND_ONLY_CLIENT, "from celery import Celery")
     assert not violations(Path("services/producer/app.py"), "from services.producer.deps import get_redis")
     assert not violations(Path("eagle3/cli.py"), "from services.trainer import cli\nfrom services.worker import cli")
+    assert not violations(Path("services/trainer/cli.py"), "from shared.lifecycle.kinds import KINDS, kind_of")
+    assert not violations(Path("shared/ops/doctor.py"), "from shared.lifecycle.kinds.extract import bytes_per_token")
 
 
 def test_the_command_line_starts_without_torch() -> None:

@@ -5,7 +5,10 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from shared.lifecycle import progress
+from shared.lifecycle.kinds import REGENERATE
 from shared.lifecycle.kinds.regenerate import (
+    REGENERATION_COUNTERS,
     apply_reasoning,
     output_line,
     plan_conversation_shards,
@@ -14,7 +17,7 @@ from shared.lifecycle.kinds.regenerate import (
     split_reasoning,
     turn_seed,
 )
-from shared.lifecycle.schemas import ChatMessage, ConversationResult, JobSpec, TurnRecord
+from shared.lifecycle.schemas import ChatMessage, ConversationResult, JobSpec, RegenerationProgress, TurnRecord
 from shared.storage import layout
 
 
@@ -120,6 +123,13 @@ def test_shard_counters_count_conversations_not_turns() -> None:
         "conversations_failed": 1,
         "samples_failed": 1,
     }
+
+
+def test_every_counter_a_shard_adds_is_declared_and_shown() -> None:
+    """progress registers and recounts the counters the kind declares (beside its own), and the API shows each."""
+    assert REGENERATE.counters is REGENERATION_COUNTERS
+    assert set(shard_counters([result(0, [turn()])])) <= {*REGENERATION_COUNTERS, *progress.COUNTERS}
+    assert set(REGENERATION_COUNTERS) <= set(RegenerationProgress.model_fields)
 
 
 def test_regeneration_keys() -> None:

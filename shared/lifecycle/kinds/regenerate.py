@@ -59,7 +59,7 @@ from shared.lifecycle.schemas import (
     TurnRecord,
     utc_now,
 )
-from shared.lifecycle.shards import Cancelled, load_job
+from shared.lifecycle.shards import Cancelled
 from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 # A rough size of one generated token in the output JSONL, for the projected bytes before anything is stored.
 OUTPUT_BYTES_PER_TOKEN = 5
+# How often a trainer that waits for a regenerate job's chained extraction job looks for it.
+CHAIN_POLL_S = 5.0
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 ChainSubmit = Callable[[JobSpec], str]  # submits the chained extraction job, returns its id
@@ -327,8 +329,19 @@ def _entry(result: ConversationResult, key: str) -> ConversationEntry:
     )
 
 
+# The regenerate kind's own counters in its jobs' progress (JobKind.counters), each with what it counts. A regenerate
+# job's samples are conversations and its tokens generated tokens; these count its conversations and turns.
+REGENERATION_COUNTERS = {
+    "turns_done": "Assistant turns regenerated",
+    "conversations_with_reasoning": "Regenerated conversations with reasoning text",
+    "conversations_truncated": "Regenerated conversations with a turn cut at max_new_tokens",
+    "conversations_empty": "Regenerated conversations with an empty turn",
+    "conversations_failed": "Conversations that failed, recorded with their reason",
+}
+
+
 def shard_counters(results: list[ConversationResult]) -> dict[str, int]:
-    """What a committed shard adds to the job's counters (progress.REGENERATION_COUNTERS, and samples_failed)."""
+    """What a committed shard adds to the job's counters (REGENERATION_COUNTERS, and progress's samples_failed)."""
     ok = [r for r in results if not r.failed]
     failed = len(results) - len(ok)
     return {
@@ -531,6 +544,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
     name = "regenerate"
     input_type = RegenerationShardInput
     manifest_type = RegenerationManifest
+    counters = REGENERATION_COUNTERS
 
     def check_spec(self, spec: JobSpec, settings: Settings) -> None:
         access.confine_output_url(spec.output_url, settings)
@@ -716,25 +730,22 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
             return [job.shards_total - 1]  # committed: the task goes straight to assembling
         return []
 
-
-def training_job_id(storage: Storage, job_id: str, *, wait_s: float = 0.0, poll_s: float = 5.0) -> str:
-    """The job a trainer should train on: the job itself, or for a regenerate job its chained extraction job
-    (waiting up to wait_s for the regeneration to submit it)."""
-    job = load_job(storage, job_id)
-    if job.kind != "regenerate":
-        return job_id
-    chained = job.regeneration.chained_job_id if job.regeneration else None
-    if chained is None:
-        raise ConfigurationError(f"job {job_id} regenerates without then_extract: there is nothing to train on")
-    deadline = time.monotonic() + wait_s
-    while not storage.exists(layout.job_json(chained)):
-        if storage.exists(layout.regeneration_summary(job_id)):  # finalized without submitting it
-            summary = json.loads(storage.get(layout.regeneration_summary(job_id)))
-            if not storage.exists(layout.job_json(chained)):
-                raise ConfigurationError(f"job {job_id} did not submit {chained}: {summary.get('error')}")
-        if time.monotonic() >= deadline:
-            raise ConfigurationError(
-                f"job {job_id} has not submitted its extraction job {chained} yet (it does when regeneration ends)"
-            )
-        time.sleep(poll_s)
-    return chained
+    def training_job(self, storage: Storage, job: JobRecord, *, wait_s: float = 0.0) -> str:
+        """A regenerated dataset is not training data: its chained extraction job is (waiting up to wait_s for the
+        regeneration to submit it)."""
+        chained = job.regeneration.chained_job_id if job.regeneration else None
+        if chained is None:
+            raise ConfigurationError(f"job {job.job_id} regenerates without then_extract: there is nothing to train on")
+        deadline = time.monotonic() + wait_s
+        while not storage.exists(layout.job_json(chained)):
+            if storage.exists(layout.regeneration_summary(job.job_id)):  # finalized without submitting it
+                summary = json.loads(storage.get(layout.regeneration_summary(job.job_id)))
+                if not storage.exists(layout.job_json(chained)):
+                    raise ConfigurationError(f"job {job.job_id} did not submit {chained}: {summary.get('error')}")
+            if time.monotonic() >= deadline:
+                raise ConfigurationError(
+                    f"job {job.job_id} has not submitted its extraction job {chained} yet "
+                    "(it does when regeneration ends)"
+                )
+            time.sleep(CHAIN_POLL_S)
+        return chained

@@ -1,0 +1,92 @@
+"""job.json refuses a key it does not know, naming it, and still reads every job.json an earlier version wrote."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from shared.lifecycle.schemas import JobRecord, JobSpec, ModelRecord, RegenerationPlan
+
+# What each version added since the first job.json (commit 3cb05d1); nothing was ever removed or renamed.
+ADDED_TO_THE_SPEC = ("storage_dtype", "shard_seconds")  # 7035909 (fp8 storage), e93e577 (shards sized in seconds)
+ADDED_TO_THE_RECORD = ("provenance",)  # 81a51a2
+
+
+def job_json(**spec: object) -> dict:
+    """A job.json as this version writes it."""
+    job = JobRecord(
+        job_id="job-a",
+        created_at="2026-01-01T00:00:00",
+        spec=JobSpec(dataset_url="/x.jsonl", **spec),
+        model=ModelRecord(
+            path="/m",
+            architecture="LlamaForCausalLM",
+            num_hidden_layers=8,
+            hidden_size=64,
+            vocab_size=512,
+            template_hash="h",
+        ),
+        aux_layer_ids=[1, 3, 4],
+        hidden_size=64,
+        bytes_per_token=528,
+        samples_total=2,
+        samples_rejected=0,
+        samples_truncated=0,
+        tokens_total=100,
+        loss_tokens_total=10,
+        shards_total=1,
+        projected_bytes=52_800,
+        draft_vocab_size=100,
+        vocab_coverage=1.0,
+        versions={"eagle3": "0.1.0"},
+        regeneration=RegenerationPlan(
+            assistant_turns_total=1,
+            max_generated_tokens=8,
+            sampling_params={"max_new_tokens": 8, "temperature": 0.0},
+            output_key="job-a/regenerated.jsonl",
+            tokenizer_prefix="job-a/tokenizer/",
+        )
+        if spec.get("kind") == "regenerate"
+        else None,
+    )
+    return json.loads(job.model_dump_json())
+
+
+@pytest.mark.parametrize("kind", ["extract", "regenerate"])
+def test_a_job_json_of_the_first_version_still_reads(kind: str) -> None:
+    first = job_json(kind=kind)
+    for name in ADDED_TO_THE_SPEC:
+        del first["spec"][name]
+    for name in ADDED_TO_THE_RECORD:
+        del first[name]
+    job = JobRecord.model_validate_json(json.dumps(first))
+    assert (job.kind, job.spec.storage_dtype, job.spec.shard_seconds, job.provenance) == (kind, "bfloat16", None, None)
+
+
+def test_this_versions_job_json_reads_back_whole() -> None:
+    written = job_json(kind="regenerate", then_extract=True, seed=3)
+    assert json.loads(JobRecord.model_validate(written).model_dump_json()) == written
+
+
+@pytest.mark.parametrize(
+    ("where", "loc"),
+    [
+        pytest.param((), "shards_planned", id="record"),
+        pytest.param(("spec",), "spec.shard_token_budjet", id="spec"),
+        pytest.param(("model",), "model.num_layers", id="model"),
+        pytest.param(("regeneration",), "regeneration.chained_job", id="regeneration-plan"),
+    ],
+)
+def test_an_unknown_key_in_a_job_json_is_refused_by_name(where: tuple[str, ...], loc: str) -> None:
+    written = job_json(kind="regenerate")
+    part = written
+    for name in where:
+        part = part[name]
+    part[loc.rpartition(".")[2]] = 1
+    with pytest.raises(ValidationError, match=rf"{loc}\n  Extra inputs are not permitted"):
+        JobRecord.model_validate_json(json.dumps(written))
+
+
+def test_an_unknown_field_of_a_spec_is_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match=r"max_lenght\n  Extra inputs are not permitted"):
+        JobSpec.model_validate({"dataset_url": "-", "max_lenght": 512})
