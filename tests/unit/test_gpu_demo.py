@@ -7,7 +7,8 @@ import pytest
 
 from eagle3 import cli
 from eagle3.demo import CPU_DEFAULTS, apply_defaults
-from eagle3.gpu_demo import GPU_DEFAULTS, stage_summary
+from eagle3.gpu_demo import GPU_DEFAULTS, capture_server_argv, stage_summary
+from tests.unit.test_engine_eval import sglang_parse
 
 
 def parsed(*argv: str):
@@ -62,3 +63,22 @@ def test_resume_skips_the_stages_the_report_holds(tmp_path, tiny_model_dir, caps
     out = capsys.readouterr().out
     assert "extraction job job-x: done before" in out and "job-x/trainer/demo-gpu/step_1.pt: trained before" in out
     assert json.loads(report.read_text()) == done  # nothing ran, nothing was rewritten
+
+
+def test_the_capture_server_graphs_cover_every_regeneration_request_in_flight() -> None:
+    args = parsed("--gpu", "--sglang-args", "--attention-backend triton")
+    apply_defaults(args, GPU_DEFAULTS)
+    argv = capture_server_argv(args)
+    assert argv[1:3] == ["-m", "eagle3_sglang_plugin.launch"]
+    assert argv[3:] == ["--attention-backend", "triton", "--cuda-graph-max-bs-decode", str(4 * 128)]
+    mine = parsed("--gpu", "--sglang-args", "--cuda-graph-max-bs-decode 64")
+    apply_defaults(mine, GPU_DEFAULTS)
+    assert capture_server_argv(mine)[3:] == ["--cuda-graph-max-bs-decode", "64"]
+
+
+def test_sglang_reads_the_graph_size_as_its_decode_graphs_limit(tmp_path) -> None:
+    args = parsed("--gpu")
+    apply_defaults(args, GPU_DEFAULTS)
+    parsed_by_sglang = sglang_parse(["--model-path", str(tmp_path), *capture_server_argv(args)[3:]])
+    assert parsed_by_sglang.returncode == 0, parsed_by_sglang.stderr
+    assert json.loads(parsed_by_sglang.stdout)["cuda_graph_max_bs_decode"] == 4 * 128
