@@ -84,8 +84,15 @@ def progress_table(p: JobProgress) -> Table:
     return table
 
 
-def watch(job_id: str, api: httpx.Client, *, interval_s: float = 0.5, alive: LocalStack | None = None) -> JobProgress:
-    """A live token-weighted progress bar until the job finishes."""
+def watch(
+    job_id: str,
+    api: httpx.Client,
+    *,
+    interval_s: float = 0.5,
+    alive: LocalStack | None = None,
+    out: Console = console,
+) -> JobProgress:
+    """A live token-weighted progress bar (on `out`) until the job finishes."""
 
     def read() -> JobProgress:
         return read_progress(api, job_id)
@@ -100,7 +107,7 @@ def watch(job_id: str, api: httpx.Client, *, interval_s: float = 0.5, alive: Loc
         TextColumn("ETA {task.fields[eta]}"),
         TimeElapsedColumn(),
     ]
-    with Progress(*columns, console=console, transient=False) as bar:
+    with Progress(*columns, console=out, transient=False) as bar:
         task = bar.add_task(job_id, total=p.tokens_total, rate="", eta="–")
         while True:
             p = read()
@@ -143,7 +150,25 @@ REGENERATION_OPTIONS = (
     "then_extract",
     "then_train",
 )
-FLAGS = {"model_path": ("--model", "--model-path")}
+AUDIT_OPTIONS = (
+    "audit_samples",
+    "audit_fraction",
+    "audit_backend_url",
+    "audit_tolerance_aux",
+    "audit_tolerance_final",
+    "seed",
+    "shard_token_budget",
+    "job_id",
+)
+FLAGS = {
+    "model_path": ("--model", "--model-path"),
+    "audit_samples": ("--samples",),
+    "audit_fraction": ("--fraction",),
+    "audit_backend_url": ("--backend",),
+    "audit_tolerance_aux": ("--tolerance-aux",),
+    "audit_tolerance_final": ("--tolerance-final",),
+}
+AUDIT_REPORT_WAIT_S = 60.0  # the last shard's worker writes the report just after its commit
 
 
 def add_spec_options(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
@@ -199,6 +224,61 @@ def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
     with api_client(settings) as api:
         job = post_job(api, args.dataset, spec, upload=args.upload)
         watch_regeneration(job["job"], api, watch_it=args.watch)
+
+
+def cmd_audit(args: argparse.Namespace, settings: Settings) -> None:
+    spec = spec_of(args, AUDIT_OPTIONS, kind="audit", source_job_id=args.source_job_id)
+    out = Console(stderr=True) if args.json else console  # --json: stdout holds the report alone
+    with api_client(settings) as api:
+        record = check(api.post("/v1/jobs", json=spec))["job"]
+        backend = spec.get("audit_backend_url") or "the workers' own server"
+        out.print(
+            f"submitted audit [bold]{record['job_id']}[/] of {args.source_job_id}: {record['samples_total']} samples "
+            f"recomputed by {backend}"
+        )
+        p = watch(record["job_id"], api, out=out)
+        if p.state != "completed":
+            raise SystemExit(f"audit {p.job_id} ended {p.state}")
+        report = audit_report(api, args.source_job_id, record["job_id"])
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        console.print(audit_table(report))
+    if not report["passed"]:
+        raise SystemExit(f"audit of {args.source_job_id} failed: {report['samples_failed']} samples")
+
+
+def audit_report(api: httpx.Client, source_job_id: str, audit_job_id: str) -> dict:
+    """The source job's report, once this audit has written it."""
+    deadline = time.monotonic() + AUDIT_REPORT_WAIT_S
+    while True:
+        response = api.get(f"/v1/jobs/{source_job_id}/audit")
+        if response.status_code != 404:
+            report = check(response)
+            if report["audit_job_id"] == audit_job_id:
+                return report
+        if time.monotonic() > deadline:
+            raise SystemExit(f"audit {audit_job_id} completed but wrote no report within {AUDIT_REPORT_WAIT_S:.0f} s")
+        time.sleep(1)
+
+
+def audit_table(report: dict) -> Table:
+    verdict = "[green]passed[/]" if report["passed"] else "[red]FAILED[/]"
+    limits = report["tolerances"]
+    table = Table(
+        title=f"audit {report['audit_job_id']} of {report['source_job_id']}: {verdict}, "
+        f"{report['samples_checked']} samples checked, {report['samples_failed']} failed",
+        caption=f"relative error per token (RMS); tolerances ({report['storage_dtype']}): aux {limits['aux']}, "
+        f"final {limits['final']}; recomputed by {report['backend'].get('backend')} at {report['backend'].get('url')}",
+    )
+    table.add_column("layer")
+    table.add_column("median", justify="right")
+    table.add_column("worst", justify="right")
+    for layer in report["layers"]:
+        table.add_row(layer["name"], *(f"{layer[k]:.4f}" if layer[k] is not None else "-" for k in ("median", "worst")))
+    for failure in report["failures"]:
+        table.add_row(f"[red]{failure['sample_id']}[/]", "", "; ".join(failure["reasons"]))
+    return table
 
 
 def watch_regeneration(record: dict, api: httpx.Client, *, watch_it: bool) -> None:
@@ -318,6 +398,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
     p.set_defaults(func=cmd_regenerate)
+
+    p = sub.add_parser(
+        "audit",
+        help="re-check a job's committed hidden states: a seeded sample recomputed by an independent backend",
+        description="Submits a job of kind audit, follows it, prints the errors per layer and every failed sample, "
+        "and exits 1 when the audit failed. The verdict is kept with the job (`eagle3 train` warns on a failed one).",
+    )
+    p.add_argument("source_job_id", metavar="JOB", help="the extraction job to audit")
+    add_spec_options(p, AUDIT_OPTIONS)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("status", help="token-weighted progress of a job")
     p.add_argument("job_id")

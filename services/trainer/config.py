@@ -32,6 +32,9 @@ class TrainConfig(BaseModel):
     aux_layer_ids: list[int] | None = Field(
         default=None, description="the target layers the drafter consumes (default: the job's)"
     )
+    require_audit: bool = Field(
+        default=False, description="refuse a job whose last audit failed or that was never audited (else: a warning)"
+    )
     follow: bool = Field(default=False, description="keep taking shards as they are committed until the job ends")
     epochs: int = Field(default=1, ge=1, description="passes over the training shards")
     max_steps: int | None = Field(default=None, ge=1, description="stop after this many optimizer steps")

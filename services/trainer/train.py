@@ -67,8 +67,10 @@ from services.trainer.step import (
     train_step,
 )
 from shared.data.vocab import load_vocab_mapping
+from shared.errors import ConfigurationError
 from shared.lifecycle import progress
 from shared.lifecycle.jobs import load_job
+from shared.lifecycle.kinds import AUDIT
 from shared.lifecycle.schemas import JobRecord, utc_now
 from shared.provenance import check_same, sha256_bytes, target_identity
 from shared.settings import Settings
@@ -100,6 +102,7 @@ def train(
     metrics). Under torchrun, joins the process group itself."""
     runtime = init_runtime(config.device)
     storage = open_storage(settings.storage_url, settings)
+    check_audit(storage, config.job_id, required=config.require_audit)
     checkpoint = find_resume_checkpoint(storage, config, resume=resume, resume_from=resume_from)
     if checkpoint is not None:
         config = resumed_config(checkpoint.train_config, config)
@@ -109,6 +112,25 @@ def train(
     summary = trainer.run_training()
     runtime.close()  # only after a run that ended on every rank (Runtime.close says why)
     return summary
+
+
+def check_audit(storage: Storage, job_id: str, *, required: bool) -> None:
+    """A job whose last audit failed trains only with a warning, and not at all when an audit is required."""
+    report = AUDIT.last_report(storage, job_id)
+    if report is None:
+        if required:
+            raise ConfigurationError(f"job {job_id} was never audited (--require-audit): `eagle3 audit {job_id}`")
+        return
+    if not report.passed:
+        message = (
+            f"job {job_id}: its last audit ({report.audit_job_id}) failed on {report.samples_failed} of "
+            f"{report.samples_checked} samples, e.g. {report.failures[0].sample_id}: {report.failures[0].reasons[0]}"
+            if report.failures
+            else f"job {job_id}: its last audit ({report.audit_job_id}) checked no sample"
+        )
+        if required:
+            raise ConfigurationError(message + " (--require-audit)")
+        logger.warning("%s; training anyway", message)
 
 
 def estimate_schedule_steps(job: JobRecord, config: TrainConfig, world_size: int) -> int:

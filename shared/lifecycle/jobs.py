@@ -94,6 +94,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
     started = time.monotonic()
     kind = kind_of(spec.kind)
     check_services(settings, storage, client)
+    spec = kind.complete_spec(spec, storage)
     model_path = resolve_model(spec, settings)
     job_id = spec.job_id or new_job_id()
     if storage.exists(layout.job_json(job_id)):
@@ -109,13 +110,20 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
 
     accepted: list[Any] = []
     rejected: list[RejectedSample] = []
-    for record in read_dataset(read_dataset_lines(spec.dataset_url, settings)):
-        try:
-            if isinstance(record, InvalidRecord):
-                raise record
-            accepted.append(kind.accept(record, spec, target))
-        except InvalidRecord as exc:
-            rejected.append(RejectedSample(sample_id=exc.sample_id, line=exc.line, field=exc.field, reason=exc.reason))
+    if not kind.reads_dataset:
+        accepted = kind.select(spec, storage)
+    elif spec.dataset_url is None:
+        raise SubmitError(f"dataset_url: a job of kind {kind.name!r} reads a dataset")
+    else:
+        for record in read_dataset(read_dataset_lines(spec.dataset_url, settings)):
+            try:
+                if isinstance(record, InvalidRecord):
+                    raise record
+                accepted.append(kind.accept(record, spec, target))
+            except InvalidRecord as exc:
+                rejected.append(
+                    RejectedSample(sample_id=exc.sample_id, line=exc.line, field=exc.field, reason=exc.reason)
+                )
     if not accepted:
         raise SubmitError(
             f"dataset {spec.dataset_url}: no usable sample ({len(rejected)} rejected, e.g. {first_rejection(rejected)})"

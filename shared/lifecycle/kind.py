@@ -113,12 +113,24 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     # help). A committed manifest adds to them through its `counters`; progress sets them to zero when it registers a
     # job and recounts them from the manifests, so every counter a manifest carries is declared here.
     counters: ClassVar[Mapping[str, str]] = {}
+    # Whether a job of this kind plans from the records of `dataset_url` (accept); a kind that does not picks its
+    # items itself (select), from what is already in storage.
+    reads_dataset: ClassVar[bool] = True
 
     @property
     def task_name(self) -> str:
         return task_name(self.name)
 
     # ---- submit (the producer) ------------------------------------------------------------------------------
+
+    def complete_spec(self, spec: JobSpec, storage: Storage) -> JobSpec:
+        """The spec with what this kind takes from storage filled in (before the model is resolved); SubmitError
+        when it names something that is not there."""
+        return spec
+
+    def select(self, spec: JobSpec, storage: Storage) -> list[Any]:
+        """The items a kind that reads no dataset plans (reads_dataset False), as `accept` would have returned them."""
+        raise NotImplementedError(f"job kind {self.name} reads a dataset")
 
     def check_spec(self, spec: JobSpec, settings: Settings) -> None:
         """Refuse a spec for reasons of this kind, before the dataset is read (SubmitError)."""

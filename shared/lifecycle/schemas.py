@@ -12,7 +12,7 @@ from shared.storage.dtypes import StorageDtype
 LengthPolicy = Literal["truncate", "reject"]
 # paused: the job cannot go on until something outside it changes (storage full); Progress.paused_reason says what.
 JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled"]
-JobKind = Literal["extract", "regenerate"]
+JobKind = Literal["extract", "regenerate", "audit"]
 ReasoningPolicy = Literal["keep", "drop"]
 
 
@@ -27,12 +27,24 @@ def utc_now() -> str:
 JOB_JSON_CONFIG = ConfigDict(extra="forbid")
 
 
+AUDIT_FIELDS = (
+    "source_job_id",
+    "audit_samples",
+    "audit_fraction",
+    "audit_backend_url",
+    "audit_tolerance_aux",
+    "audit_tolerance_final",
+)
+
+
 class JobSpec(BaseModel):
     """What a user asks for. Recorded in job.json; every knob that changes the output is here."""
 
     model_config = JOB_JSON_CONFIG
 
-    dataset_url: str = Field(description="file:///abs/data.jsonl, a local path, or s3://bucket/key.jsonl")
+    dataset_url: str | None = Field(
+        default=None, description="file:///abs/data.jsonl, a local path, or s3://bucket/key.jsonl (an audit reads none)"
+    )
     model_path: str | None = Field(
         default=None, description="local Hugging Face folder of the target; default EAGLE3_MODEL_PATH"
     )
@@ -60,7 +72,10 @@ class JobSpec(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, description="-1 keeps the whole vocabulary")
-    seed: int | None = Field(default=None, description="sampling seed; each turn gets its own, derived from it")
+    seed: int | None = Field(
+        default=None,
+        description="regenerate: sampling seed (each turn its own, derived); audit: which samples",
+    )
     reasoning: ReasoningPolicy = Field(default="keep", description="keep or drop <think>...</think> text")
     conversations_per_shard: int = Field(default=64, ge=1, description="conversations per regeneration shard")
     output_url: str | None = Field(
@@ -72,8 +87,23 @@ class JobSpec(BaseModel):
         description="train on the chained extraction job (implies then_extract): `eagle3 train --job <this job>`",
     )
 
+    # Audit (kind "audit"): a seeded sample of another job's committed hidden states recomputed and compared.
+    source_job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN, description="the extraction job to audit")
+    audit_samples: int | None = Field(default=None, ge=1, description="samples to check (default 32)")
+    audit_fraction: float | None = Field(default=None, gt=0, le=1, description="or this share of the job's samples")
+    audit_backend_url: str | None = Field(
+        default=None, description="the capture server that recomputes (default: the workers' own, EAGLE3_INFERENCE_URL)"
+    )
+    audit_tolerance_aux: float | None = Field(default=None, gt=0, description="allowed relative error of an aux layer")
+    audit_tolerance_final: float | None = Field(default=None, gt=0, description="allowed relative error, final state")
+
     @model_validator(mode="after")
     def _check_kind(self) -> "JobSpec":
+        audit_fields = [name for name in AUDIT_FIELDS if getattr(self, name) is not None]
+        if audit_fields and self.kind != "audit":
+            raise ValueError(f"{', '.join(audit_fields)}: only for jobs of kind 'audit'")
+        if self.audit_samples is not None and self.audit_fraction is not None:
+            raise ValueError("audit_samples and audit_fraction: give one or the other")
         if self.kind == "extract":
             used = [name for name in ("then_extract", "then_train", "output_url") if getattr(self, name)]
             if used:

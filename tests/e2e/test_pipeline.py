@@ -2,14 +2,18 @@
 server with a real (tiny random) Llama, two Celery worker processes and the producer API."""
 
 import hashlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from celery import Celery
 
 from shared.data.datasets import Conversation, read_dataset
@@ -21,7 +25,7 @@ from shared.lifecycle.jobs import load_shard_input
 from shared.lifecycle.queue import SHARD_QUEUE, task_name
 from shared.lifecycle.shards import load_job
 from shared.storage import layout
-from shared.storage.sample_format import decode_sample
+from shared.storage.sample_format import decode_sample, encode_sample
 from tests.datasets import BAD_LINES, write_dataset
 from tests.e2e.deployment import Deployment, deploy
 from tests.fixtures.processes import broker_drained, wait_until
@@ -182,3 +186,49 @@ def test_the_real_api_is_closed_and_no_secret_reaches_a_log(deployment: Deployme
         text = log.read_text(errors="replace")
         assert token not in text, f"the API token in {log}"
         assert s3_server.secret_key not in text, f"the S3 secret key in {log}"
+
+
+def test_eagle3_audit_passes_a_clean_job_flags_a_corrupted_one_and_the_trainer_warns(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """`eagle3 audit` over the real stack (the producer plans it, a worker recomputes through the reference server):
+    the clean job passes; after one committed sample's final state is replaced (its manifest rewritten to match, so
+    only the recomputation can tell) it fails naming that sample, exits 1, and the trainer warns or refuses."""
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
+    job = deployment.submit(dataset, max_length=256, shard_token_budget=200, draft_vocab_size=64)
+    assert deployment.wait(job["job_id"]).state == "completed"
+    env = {**os.environ, **deployment.stack.env, "EAGLE3_HOME": str(tmp_path / "cli-home")}
+
+    def audit(*flags: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "eagle3", "audit", job["job_id"], "--fraction", "1", "--json", *flags]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+
+    clean = audit()
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    report = json.loads(clean.stdout)
+    assert report["passed"] and report["samples_checked"] == job["samples_total"]
+
+    manifest = deployment.manifests(job["job_id"])[0]
+    entry = manifest.samples[0]
+    record = decode_sample(deployment.storage.get(entry.key))
+    final = torch.roll(record["hidden_state"][0], shifts=1, dims=0)  # every token gets its neighbour's state
+    data = encode_sample(
+        record["input_ids"].tolist(), record["loss_mask"].tolist(), record["aux_hidden_state"][0], final
+    )
+    deployment.storage.put(entry.key, data)
+    entry.bytes, entry.sha256 = len(data), hashlib.sha256(data).hexdigest()
+    deployment.storage.put(layout.manifest(job["job_id"], manifest.shard_index), manifest.model_dump_json().encode())
+
+    corrupted = audit()
+    assert corrupted.returncode == 1 and "audit of" in corrupted.stderr
+    report = json.loads(corrupted.stdout)
+    (failure,) = report["failures"]
+    assert failure["sample_id"] == entry.sample_id and "final state: relative error" in failure["reasons"][0]
+    assert deployment.api.get(f"/v1/jobs/{job['job_id']}/audit").json()["passed"] is False
+
+    train = [sys.executable, "-m", "eagle3", "train", "--job", job["job_id"], "--max-steps", "1", "--device", "cpu"]
+    refused = subprocess.run([*train, "--require-audit"], env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and f"failed on 1 of {job['samples_total']} samples" in refused.stderr
+    warned = subprocess.run(train, env=env, capture_output=True, text=True, timeout=600)
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    assert "training anyway" in warned.stderr

@@ -1,8 +1,8 @@
-"""/v1/jobs: submit (extract or regenerate), list, inspect, cancel, resume. Domain errors become HTTP answers in
+"""/v1/jobs: submit (extract, regenerate or audit), list, inspect, cancel, resume. Domain errors become HTTP answers in
 services/producer/errors.py."""
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, ValidationError
@@ -17,7 +17,7 @@ from services.producer.deps import (
 )
 from shared.errors import JobNotFound
 from shared.lifecycle import jobs, progress
-from shared.lifecycle.kinds import kind_of
+from shared.lifecycle.kinds import AUDIT, kind_of
 from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 from shared.storage import layout
 
@@ -108,6 +108,16 @@ def get_rejected(job_id: JobIdPath, storage: StorageDep) -> list[RejectedSample]
 def get_failed(job_id: JobIdPath, storage: StorageDep) -> list[FailedConversation]:
     """The samples (a regenerate job: conversations) that will not be in the job's output, each with its reason."""
     return kind_of(jobs.load_job(storage, job_id).kind).failed(storage, job_id)
+
+
+@router.get("/{job_id}/audit", dependencies=[Authorized])
+def get_audit(job_id: JobIdPath, storage: StorageDep) -> dict[str, Any]:
+    """The job's last audit (`eagle3 audit`): its verdict, errors per layer and failed samples; 404 if never audited."""
+    jobs.load_job(storage, job_id)  # an unknown job is a 404 of its own
+    report = AUDIT.last_report(storage, job_id)
+    if report is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"job {job_id} has not been audited")
+    return report.model_dump()
 
 
 @router.post("/{job_id}/cancel", dependencies=[Authorized])

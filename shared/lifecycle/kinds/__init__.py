@@ -2,10 +2,12 @@
 
 from shared.errors import SubmitError
 from shared.lifecycle.kind import JobKind
+from shared.lifecycle.kinds.audit import Audit
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.kinds.regenerate import Regenerate
 
-KINDS: dict[str, JobKind] = {kind.name: kind for kind in (Extract(), Regenerate())}
+AUDIT = Audit()  # also asked for a job's last audit (last_report)
+KINDS: dict[str, JobKind] = {kind.name: kind for kind in (Extract(), Regenerate(), AUDIT)}
 EXTRACT, REGENERATE = KINDS["extract"], KINDS["regenerate"]
 
 

@@ -1,0 +1,404 @@
+"""Audit: a seeded sample of an extraction job's committed hidden states recomputed by an independent backend and
+compared tensor by tensor (shared/capture/compare.py), so that states a server setting corrupted, a layer mix-up or a
+file changed after its commit are caught before a drafter is trained on them.
+
+- plan: no dataset; the source job's manifests list its committed samples, a seeded random subset of them
+  (`audit_samples`, or `audit_fraction` of them) is grouped into shards of about `shard_token_budget` tokens;
+- a shard: for each sample, its stored file (size and sha256 against the source manifest), the recomputation of its
+  input ids by the backend (`audit_backend_url`, default the workers' own server), the comparison per aux layer and
+  of the final state, each slice's nearest layer; each sample's result is written create-only;
+- after the last commit: `{source}/audit/report.json`, the verdict the trainer reads (`eagle3 train` warns, or with
+  `--require-audit` refuses, when the job's last audit failed).
+"""
+
+import logging
+import math
+import random
+import statistics
+from typing import Any, ClassVar, Literal
+
+import redis
+from pydantic import BaseModel, Field
+
+from shared.capture.client import InferenceClient
+from shared.capture.compare import DEFAULT_TOLERANCES, FieldTolerances, SampleComparison, Tolerances, compare_sample
+from shared.data.datasets import Conversation
+from shared.errors import JobNotFound, SubmitError
+from shared.lifecycle import progress
+from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, utc_now
+from shared.lifecycle.shards import load_job
+from shared.settings import Settings
+from shared.storage import layout
+from shared.storage.objects import ObjectDigest, ObjectNotFound, Storage
+from shared.storage.sample_format import decode_sample
+from shared.urls import redact_url
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SAMPLES = 32  # without --samples or --fraction: enough to catch a systematic defect, cheap to recompute
+AUDIT_FAILED = "samples_audit_failed"
+
+
+def report_key(source_job_id: str) -> str:
+    """The last audit's verdict on a job, next to the job it judges."""
+    return f"{source_job_id}/audit/report.json"
+
+
+def result_key(job_id: str, sample_index: int) -> str:
+    return f"{job_id}/audit/results/sample_{sample_index:09d}.json"
+
+
+class AuditItem(BaseModel):
+    """One committed sample of the source job, as its manifest describes it."""
+
+    sample_index: int  # its place in the audit job
+    sample_id: str
+    source_index: int  # its sample_index in the source job
+    source_shard: int
+    key: str
+    num_tokens: int
+    bytes: int
+    sha256: str
+
+
+class AuditShardInput(BaseModel):
+    job_id: str
+    shard_index: int
+    source_job_id: str
+    items: list[AuditItem]
+
+
+class AuditResult(BaseModel):
+    """One sample's verdict: its errors (None where not compared) and, when it failed, why."""
+
+    sample_index: int
+    sample_id: str
+    source_index: int
+    source_shard: int
+    passed: bool
+    aux_errors: list[float | None]
+    final_error: float | None
+    nearest_aux: list[int | None]
+    reasons: list[str]
+
+    @classmethod
+    def of(cls, item: AuditItem, comparison: SampleComparison | None, reasons: list[str]) -> "AuditResult":
+        def number(value: float) -> float | None:
+            return None if math.isnan(value) else round(value, 6)
+
+        return cls(
+            sample_index=item.sample_index,
+            sample_id=item.sample_id,
+            source_index=item.source_index,
+            source_shard=item.source_shard,
+            passed=comparison is not None and comparison.passed and not reasons,
+            aux_errors=[number(e) for e in comparison.aux_errors] if comparison else [None] * 3,
+            final_error=number(comparison.final_error) if comparison else None,
+            nearest_aux=comparison.nearest_aux if comparison else [None] * 3,
+            reasons=reasons + (comparison.reasons if comparison else []),
+        )
+
+
+class AuditManifest(BaseModel):
+    """manifests/shard_{k}.json of an audit job, written create-only and last like every manifest."""
+
+    job_id: str
+    shard_index: int
+    kind: Literal["audit"] = "audit"
+    source_job_id: str
+    backend: dict[str, Any]  # what recomputed: url (redacted), backend, version
+    results: list[AuditResult]
+    num_samples: int
+    num_tokens: int
+    bytes: int
+    counters: dict[str, int]
+    # Stamped by the shard lifecycle (shared/lifecycle/shards.py) just before the commit.
+    worker: str = ""
+    started_at: str = ""
+    committed_at: str = ""
+    timings_s: dict[str, float] = Field(default_factory=dict)
+
+
+class LayerErrors(BaseModel):
+    name: str  # "aux 0 (layer 1)" or "final"
+    median: float | None
+    worst: float | None
+
+
+class AuditReport(BaseModel):
+    """{source}/audit/report.json: the last audit of a job."""
+
+    source_job_id: str
+    audit_job_id: str
+    finished_at: str
+    backend: dict[str, Any]
+    storage_dtype: str
+    tolerances: FieldTolerances
+    aux_layer_ids: list[int]
+    samples_checked: int
+    samples_failed: int
+    passed: bool
+    layers: list[LayerErrors]
+    failures: list[AuditResult]
+
+
+def tolerances_of(spec: JobSpec) -> Tolerances:
+    """The default tolerances, with the job's overrides for the source's storage dtype."""
+    override = {
+        name: value
+        for name, value in (("aux", spec.audit_tolerance_aux), ("final", spec.audit_tolerance_final))
+        if value is not None
+    }
+    if not override:
+        return DEFAULT_TOLERANCES
+    dtype = spec.storage_dtype
+    current = DEFAULT_TOLERANCES.for_dtype(dtype)
+    return DEFAULT_TOLERANCES.model_copy(update={dtype: current.model_copy(update=override)})
+
+
+def select_samples(
+    manifests: list[Manifest], *, samples: int | None, fraction: float | None, seed: int
+) -> list[tuple[int, ManifestSample]]:
+    """A seeded random subset of every committed sample, in the source's order (shard, then sample)."""
+    committed = [(m.shard_index, s) for m in sorted(manifests, key=lambda m: m.shard_index) for s in m.samples]
+    wanted = samples if samples is not None else math.ceil(fraction * len(committed)) if fraction else DEFAULT_SAMPLES
+    chosen = sorted(random.Random(f"audit:{seed}").sample(range(len(committed)), min(wanted, len(committed))))
+    return [committed[i] for i in chosen]
+
+
+class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
+    name = "audit"
+    input_type = AuditShardInput
+    manifest_type = AuditManifest
+    reads_dataset: ClassVar[bool] = False
+    counters: ClassVar[dict[str, str]] = {AUDIT_FAILED: "Audited samples whose stored states failed the check"}
+
+    # ---- submit
+
+    def complete_spec(self, spec: JobSpec, storage: Storage) -> JobSpec:
+        if not spec.source_job_id:
+            raise SubmitError("source_job_id: an audit names the extraction job it checks")
+        try:
+            source = load_job(storage, spec.source_job_id)
+        except JobNotFound:
+            raise SubmitError(f"source_job_id {spec.source_job_id}: no such job in {storage.url}") from None
+        if source.kind != "extract":
+            raise SubmitError(f"source_job_id {source.job_id}: a job of kind {source.kind!r} has no hidden states")
+        # The source's target, layers and stored dtype: the recomputation must be of the same thing.
+        return spec.model_copy(
+            update={
+                "model_path": spec.model_path or source.model.path,
+                "aux_layer_ids": source.aux_layer_ids,
+                "storage_dtype": source.spec.storage_dtype,
+                "max_length": source.spec.max_length,
+            }
+        )
+
+    def select(self, spec: JobSpec, storage: Storage) -> list[AuditItem]:
+        assert spec.source_job_id is not None  # complete_spec refused the spec without it
+        manifests = [
+            Manifest.model_validate_json(storage.get(key))
+            for key in storage.list(layout.manifests_prefix(spec.source_job_id))
+        ]
+        chosen = select_samples(
+            manifests, samples=spec.audit_samples, fraction=spec.audit_fraction, seed=spec.seed or 0
+        )
+        if not chosen:
+            raise SubmitError(f"source_job_id {spec.source_job_id}: no committed sample to audit yet")
+        return [
+            AuditItem(
+                sample_index=index,
+                sample_id=sample.sample_id,
+                source_index=sample.sample_index,
+                source_shard=shard_index,
+                key=sample.key,
+                num_tokens=sample.num_tokens,
+                bytes=sample.bytes,
+                sha256=sample.sha256,
+            )
+            for index, (shard_index, sample) in enumerate(chosen)
+        ]
+
+    def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Any:
+        raise SubmitError("an audit reads no dataset: it checks the committed samples of source_job_id")
+
+    def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[AuditItem]) -> JobPlan[AuditShardInput]:
+        assert spec.source_job_id is not None
+        groups: list[list[AuditItem]] = [[]]
+        tokens = 0
+        for item in accepted:
+            if groups[-1] and tokens + item.num_tokens > spec.shard_token_budget:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(item)
+            tokens += item.num_tokens
+        shards = [
+            AuditShardInput(job_id=job_id, shard_index=index, source_job_id=spec.source_job_id, items=items)
+            for index, items in enumerate(groups)
+        ]
+        return JobPlan(
+            shards=shards,
+            samples_total=len(accepted),
+            tokens_total=sum(item.num_tokens for item in accepted),
+            bytes_per_token=0,
+            projected_bytes=1024 * len(accepted),  # one small JSON result per sample
+            record={"samples_truncated": 0, "loss_tokens_total": 0, "draft_vocab_size": 0, "vocab_coverage": 0.0},
+        )
+
+    # ---- one shard
+
+    def open(self, settings: Settings) -> dict[str, InferenceClient]:
+        return {}  # one client per backend URL, made when a job first needs it
+
+    def prepare(self, ctx: ShardContext, state: dict[str, InferenceClient], job: JobRecord) -> InferenceClient:
+        url = job.spec.audit_backend_url or ctx.settings.inference_url
+        if url not in state:
+            settings = ctx.settings
+            state[url] = InferenceClient(
+                url,
+                timeout_s=settings.inference_timeout_s,
+                health_timeout_s=settings.inference_health_timeout_s,
+                max_concurrency=settings.inference_concurrency,
+                transport=settings.capture_transport if url == settings.inference_url else "body",
+                shm_dir=settings.shm_dir,
+            )
+        client = state[url]
+        client.wait_ready(ctx.settings.inference_ready_timeout_s)
+        check_served_model(job, client.model_info(), client.base_url, capture=True)
+        return client
+
+    def items(self, shard: AuditShardInput) -> list[AuditItem]:
+        return shard.items
+
+    def item_key(self, job_id: str, item: AuditItem) -> str:
+        return result_key(job_id, item.sample_index)
+
+    def reuse(self, item: AuditItem, key: str, data: bytes) -> AuditResult:
+        return AuditResult.model_validate_json(data)
+
+    def process(
+        self,
+        ctx: ShardContext,
+        state: dict[str, InferenceClient],
+        prepared: InferenceClient,
+        job: JobRecord,
+        shard: AuditShardInput,
+        pending: list[AuditItem],
+        done: dict[int, AuditResult],
+    ) -> AuditManifest:
+        storage, tolerances = ctx.storage, tolerances_of(job.spec)
+        stored: dict[int, dict[str, Any]] = {}
+        results = dict(done)
+        for item in pending:
+            record, reasons = read_stored(storage, item)
+            if record is None:
+                results[item.sample_index] = AuditResult.of(item, None, reasons)
+            else:
+                stored[item.sample_index] = record
+        requests = [(f"{job.job_id}-{index}", stored[index]["input_ids"].tolist()) for index in stored]
+        recomputed = prepared.capture_many(requests, job.aux_layer_ids)
+        for index, states in zip(list(stored), recomputed, strict=True):
+            item = next(i for i in pending if i.sample_index == index)
+            comparison = compare_sample(
+                stored[index], states, job.aux_layer_ids, job.spec.storage_dtype, tolerances=tolerances
+            )
+            results[index] = AuditResult.of(item, comparison, [])
+        for item in pending:
+            result = results[item.sample_index]
+            storage.put_if_absent(result_key(job.job_id, item.sample_index), result.model_dump_json().encode())
+            if not result.passed:
+                logger.warning("audit %s: sample %s failed: %s", job.job_id, item.sample_id, "; ".join(result.reasons))
+        ordered = [results[item.sample_index] for item in shard.items]
+        info = prepared.model_info()
+        return AuditManifest(
+            job_id=job.job_id,
+            shard_index=shard.shard_index,
+            source_job_id=shard.source_job_id,
+            backend={"url": redact_url(prepared.base_url), "backend": info.backend, "version": info.version},
+            results=ordered,
+            num_samples=len(ordered),
+            num_tokens=sum(item.num_tokens for item in shard.items),
+            bytes=0,
+            counters={AUDIT_FAILED: sum(not r.passed for r in ordered)},
+        )
+
+    def after_commit(self, ctx: ShardContext, state: Any, job: JobRecord) -> None:
+        if len(progress.committed_shards(ctx.redis, job.job_id)) == job.shards_total:
+            write_report(ctx.storage, job)
+
+    def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
+        if not pending and not storage.exists(report_key(job.spec.source_job_id or "")):
+            return [job.shards_total - 1]  # every shard committed, the report not written: the task writes it
+        return []
+
+    def shard_size(self, shard: AuditShardInput) -> tuple[int, int]:
+        return len(shard.items), sum(item.num_tokens for item in shard.items)
+
+    # ---- the verdict
+
+    def last_report(self, storage: Storage, job_id: str) -> AuditReport | None:
+        """The last audit of job `job_id`, None if it was never audited."""
+        try:
+            return AuditReport.model_validate_json(storage.get(report_key(job_id)))
+        except ObjectNotFound:
+            return None
+
+
+def read_stored(storage: Storage, item: AuditItem) -> tuple[dict[str, Any] | None, list[str]]:
+    """The stored sample decoded, or None and why it could not be compared."""
+    try:
+        data = storage.get(item.key)
+    except ObjectNotFound:
+        return None, [f"stored sample {item.key}: missing"]
+    digest = ObjectDigest.of(data)
+    if digest.sha256 != item.sha256 or len(data) != item.bytes:
+        return None, [
+            f"stored sample {item.key}: {len(data)} bytes sha256 {digest.sha256[:12]}, the source manifest says "
+            f"{item.bytes} bytes sha256 {item.sha256[:12]} (changed after its commit)"
+        ]
+    try:
+        return decode_sample(data), []
+    except Exception as exc:  # a torn or foreign file: what it is, not why the decoder choked
+        return None, [f"stored sample {item.key}: not a sample file ({type(exc).__name__}: {exc})"]
+
+
+def write_report(storage: Storage, job: JobRecord) -> AuditReport:
+    """Every committed shard's results, summed up into the source job's audit report (the last audit wins)."""
+    source_job_id = job.spec.source_job_id
+    assert source_job_id is not None
+    manifests = [
+        AuditManifest.model_validate_json(storage.get(key)) for key in storage.list(layout.manifests_prefix(job.job_id))
+    ]
+    results = [r for m in sorted(manifests, key=lambda m: m.shard_index) for r in m.results]
+    limits = tolerances_of(job.spec).for_dtype(job.spec.storage_dtype)
+    names = [f"aux {i} (layer {layer})" for i, layer in enumerate(job.aux_layer_ids)] + ["final"]
+    columns = [[r.aux_errors[i] for r in results] for i in range(3)] + [[r.final_error for r in results]]
+    layers = []
+    for name, column in zip(names, columns, strict=True):
+        values = [v for v in column if v is not None]
+        layers.append(
+            LayerErrors(
+                name=name,
+                median=statistics.median(values) if values else None,
+                worst=max(values) if values else None,
+            )
+        )
+    failures = [r for r in results if not r.passed]
+    report = AuditReport(
+        source_job_id=source_job_id,
+        audit_job_id=job.job_id,
+        finished_at=utc_now(),
+        backend=manifests[0].backend if manifests else {},
+        storage_dtype=job.spec.storage_dtype,
+        tolerances=limits,
+        aux_layer_ids=job.aux_layer_ids,
+        samples_checked=len(results),
+        samples_failed=len(failures),
+        passed=bool(results) and not failures,
+        layers=layers,
+        failures=failures,
+    )
+    storage.put(report_key(source_job_id), report.model_dump_json(indent=2).encode())
+    logger.info("audit %s of job %s: %d samples, %d failed", job.job_id, source_job_id, len(results), len(failures))
+    return report

@@ -1,0 +1,161 @@
+"""The audit kind against a real reference server, real Redis and real storage: a clean extraction job passes, and
+samples corrupted after capture (their manifest rewritten to match, so only the recomputation can tell) are flagged,
+each with the sample and the defect named."""
+
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from shared.errors import SubmitError
+from shared.lifecycle import jobs, shards
+from shared.lifecycle.kind import ShardContext
+from shared.lifecycle.kinds import AUDIT, EXTRACT
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest
+from shared.settings import Settings
+from shared.storage import layout
+from shared.storage.objects import ObjectDigest, Storage, open_storage
+from shared.storage.sample_format import decode_sample, encode_sample
+from tests.datasets import write_dataset
+
+
+def settings_for(tmp_path: Path, model_dir: Path, redis_url: str, storage: Storage) -> Settings:
+    return Settings(
+        redis_url=redis_url, storage_url=storage.url, dataset_roots=[str(tmp_path)], model_roots=[model_dir.parent]
+    )
+
+
+def run_job(kind: object, job: JobRecord, storage: Storage, redis_url: str, url: str) -> None:
+    ctx = ShardContext(storage, redis.Redis.from_url(redis_url), Settings(inference_url=url), worker="test")
+    for shard in range(job.shards_total):
+        assert shards.run_shard(kind, job.job_id, shard, ctx).status == "committed"  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def extracted(tmp_path: Path, tiny_model_dir: Path, redis_url: str, reference_server_url: str) -> tuple:
+    storage = open_storage((tmp_path / "store").as_uri())
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
+    settings = settings_for(tmp_path, tiny_model_dir, redis_url, storage)
+    client = redis.Redis.from_url(redis_url)
+    job = jobs.submit(
+        JobSpec(dataset_url=str(dataset), model_path=str(tiny_model_dir), shard_token_budget=200),
+        settings=settings,
+        storage=storage,
+        client=client,
+        enqueue=lambda *task: None,
+    )
+    run_job(EXTRACT, job, storage, redis_url, reference_server_url)
+    return job, storage, settings
+
+
+def audit(job: JobRecord, storage: Storage, settings: Settings, redis_url: str, url: str, **spec: object):
+    audit_job = jobs.submit(
+        JobSpec(kind="audit", source_job_id=job.job_id, audit_backend_url=url, **spec),
+        settings=settings,
+        storage=storage,
+        client=redis.Redis.from_url(redis_url),
+        enqueue=lambda *task: None,
+    )
+    run_job(AUDIT, audit_job, storage, redis_url, url)
+    report = AUDIT.last_report(storage, job.job_id)
+    assert report is not None and report.audit_job_id == audit_job.job_id
+    return report
+
+
+def rewrite(storage: Storage, job: JobRecord, sample_index: int, change) -> str:
+    """Change a committed sample's tensors and rewrite its manifest entry to match, as if the states had been wrong
+    when they were captured; returns the sample id."""
+    for key in storage.list(layout.manifests_prefix(job.job_id)):
+        manifest = Manifest.model_validate_json(storage.get(key))
+        for entry in manifest.samples:
+            if entry.sample_index == sample_index:
+                record = decode_sample(storage.get(entry.key))
+                aux, final = change(record["aux_hidden_state"][0].clone(), record["hidden_state"][0].clone())
+                data = encode_sample(record["input_ids"].tolist(), record["loss_mask"].tolist(), aux, final)
+                storage.put(entry.key, data)
+                digest = ObjectDigest.of(data)
+                entry.bytes, entry.sha256 = digest.size_bytes, digest.sha256
+                storage.put(key, manifest.model_dump_json().encode())
+                return entry.sample_id
+    raise AssertionError(f"no sample {sample_index}")
+
+
+def test_a_clean_job_passes_with_every_sample_checked(
+    extracted: tuple, redis_url: str, reference_server_url: str
+) -> None:
+    job, storage, settings = extracted
+    report = audit(job, storage, settings, redis_url, reference_server_url, audit_fraction=1.0)
+    assert report.passed and report.samples_checked == job.samples_total and report.samples_failed == 0
+    assert [layer.name for layer in report.layers][-1] == "final"
+    assert all(layer.worst is not None and layer.worst <= 0.05 for layer in report.layers)
+
+
+def test_corrupted_samples_are_flagged_by_sample_and_defect(
+    extracted: tuple, redis_url: str, reference_server_url: str
+) -> None:
+    job, storage, settings = extracted
+    hidden = job.hidden_size
+
+    def zero_middle_layer(aux: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux[:, hidden : 2 * hidden] = 0
+        return aux, final
+
+    def swap_low_layers(aux: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        low, middle = aux[:, :hidden].clone(), aux[:, hidden : 2 * hidden].clone()
+        aux[:, :hidden], aux[:, hidden : 2 * hidden] = middle, low
+        return aux, final
+
+    first_entry = Manifest.model_validate_json(storage.get(layout.manifest(job.job_id, 0))).samples[0]
+    other = decode_sample(storage.get(first_entry.key))
+
+    def another_samples_final(aux: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length = min(final.shape[0], other["hidden_state"].shape[1])
+        final[1:length] = other["hidden_state"][0, 1:length]  # the first token's state is the same in every sample
+        return aux, final
+
+    zeroed = rewrite(storage, job, 1, zero_middle_layer)
+    swapped = rewrite(storage, job, 2, swap_low_layers)
+    foreign = rewrite(storage, job, 3, another_samples_final)
+
+    report = audit(job, storage, settings, redis_url, reference_server_url, audit_fraction=1.0)
+
+    assert not report.passed and report.samples_checked == job.samples_total
+    reasons = {failure.sample_id: " | ".join(failure.reasons) for failure in report.failures}
+    assert set(reasons) == {zeroed, swapped, foreign}
+    assert f"aux layer 1 (model layer {job.aux_layer_ids[1]}): relative error 1.000" in reasons[zeroed]
+    assert "swapped" in reasons[swapped]
+    assert "final state: relative error" in reasons[foreign]
+
+
+def test_a_file_changed_after_its_commit_is_flagged(
+    extracted: tuple, redis_url: str, reference_server_url: str
+) -> None:
+    job, storage, settings = extracted
+    entry = Manifest.model_validate_json(storage.get(layout.manifest(job.job_id, 0))).samples[0]
+    storage.put(entry.key, storage.get(entry.key) + b"\0")
+    report = audit(job, storage, settings, redis_url, reference_server_url, audit_samples=job.samples_total)
+    (failure,) = report.failures
+    assert failure.sample_id == entry.sample_id and "changed after its commit" in failure.reasons[0]
+
+
+def test_the_selection_is_seeded_and_an_audit_names_a_real_extraction_job(
+    extracted: tuple, redis_url: str, reference_server_url: str
+) -> None:
+    job, storage, settings = extracted
+    chosen = []
+    for seed in (7, 7, 8):
+        report = audit(job, storage, settings, redis_url, reference_server_url, audit_samples=3, seed=seed)
+        audit_job = jobs.load_job(storage, report.audit_job_id)
+        inputs = [jobs.load_shard_input(storage, audit_job, k) for k in range(audit_job.shards_total)]
+        chosen.append([item.sample_id for shard in inputs for item in shard.items])  # type: ignore[attr-defined]
+        assert report.samples_checked == 3
+    assert chosen[0] == chosen[1] != chosen[2]  # the same seed picks the same samples
+    with pytest.raises(SubmitError, match="job-missing"):
+        jobs.submit(
+            JobSpec(kind="audit", source_job_id="job-missing"),
+            settings=settings,
+            storage=storage,
+            client=redis.Redis.from_url(redis_url),
+            enqueue=lambda *task: None,
+        )
