@@ -38,11 +38,13 @@ test: install
 	$(PY) -m pytest -q --durations=15
 
 # Fault-injection scenarios over real processes; prints the fault table (also build/faults.json).
-# `-o addopts=` lifts the default `-m 'not faults'`; the trainer's resume test is the trainer's fault row.
+# `-o addopts=` lifts the default `-m 'not faults'`; the trainer's resume test is the trainer's fault row, the
+# audit's corrupted-states test the stored data's.
 faults: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q -o addopts= -p tests.faults.report tests/faults \
-		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run
+		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run \
+		tests/integration/test_audit.py::test_corrupted_samples_are_flagged_by_sample_and_defect
 
 # Everything not marked slow (no real model, no stack of processes): the loop while editing.
 test-fast: install

@@ -19,6 +19,10 @@ EXTERNAL_SCENARIOS = {
     "tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run": (
         "trainer stopped mid-epoch, --resume continues exactly"
     ),
+    "tests/integration/test_audit.py::test_corrupted_samples_are_flagged_by_sample_and_defect": (
+        "stored states wrong but consistent with their manifest (a zeroed layer, two layers swapped, another "
+        "sample's final state, another job's file): the audit names each sample and defect"
+    ),
 }
 
 

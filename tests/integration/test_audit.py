@@ -12,7 +12,7 @@ from shared.errors import SubmitError
 from shared.lifecycle import jobs, shards
 from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import AUDIT, EXTRACT
-from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample
 from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import ObjectDigest, Storage, open_storage
@@ -63,22 +63,33 @@ def audit(job: JobRecord, storage: Storage, settings: Settings, redis_url: str, 
     return report
 
 
-def rewrite(storage: Storage, job: JobRecord, sample_index: int, change) -> str:
-    """Change a committed sample's tensors and rewrite its manifest entry to match, as if the states had been wrong
-    when they were captured; returns the sample id."""
+def committed_entry(storage: Storage, job: JobRecord, sample_index: int) -> tuple[str, Manifest, ManifestSample]:
     for key in storage.list(layout.manifests_prefix(job.job_id)):
         manifest = Manifest.model_validate_json(storage.get(key))
         for entry in manifest.samples:
             if entry.sample_index == sample_index:
-                record = decode_sample(storage.get(entry.key))
-                aux, final = change(record["aux_hidden_state"][0].clone(), record["hidden_state"][0].clone())
-                data = encode_sample(record["input_ids"].tolist(), record["loss_mask"].tolist(), aux, final)
-                storage.put(entry.key, data)
-                digest = ObjectDigest.of(data)
-                entry.bytes, entry.sha256 = digest.size_bytes, digest.sha256
-                storage.put(key, manifest.model_dump_json().encode())
-                return entry.sample_id
+                return key, manifest, entry
     raise AssertionError(f"no sample {sample_index}")
+
+
+def rewrite_file(storage: Storage, job: JobRecord, sample_index: int, data: bytes) -> str:
+    """Put `data` in a committed sample's place, its manifest entry rewritten to match (as if it had been wrong when
+    it was captured, so that only a recomputation can tell); returns the sample id."""
+    key, manifest, entry = committed_entry(storage, job, sample_index)
+    storage.put(entry.key, data)
+    digest = ObjectDigest.of(data)
+    entry.bytes, entry.sha256 = digest.size_bytes, digest.sha256
+    storage.put(key, manifest.model_dump_json().encode())
+    return entry.sample_id
+
+
+def rewrite(storage: Storage, job: JobRecord, sample_index: int, change) -> str:
+    """Change a committed sample's tensors (`change(aux, final)`), its manifest rewritten to match."""
+    _, _, entry = committed_entry(storage, job, sample_index)
+    record = decode_sample(storage.get(entry.key))
+    aux, final = change(record["aux_hidden_state"][0].clone(), record["hidden_state"][0].clone())
+    data = encode_sample(record["input_ids"].tolist(), record["loss_mask"].tolist(), aux, final)
+    return rewrite_file(storage, job, sample_index, data)
 
 
 def test_a_clean_job_passes_with_every_sample_checked(
@@ -106,7 +117,7 @@ def test_corrupted_samples_are_flagged_by_sample_and_defect(
         aux[:, :hidden], aux[:, hidden : 2 * hidden] = middle, low
         return aux, final
 
-    first_entry = Manifest.model_validate_json(storage.get(layout.manifest(job.job_id, 0))).samples[0]
+    _, _, first_entry = committed_entry(storage, job, 0)
     other = decode_sample(storage.get(first_entry.key))
 
     def another_samples_final(aux: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,15 +128,29 @@ def test_corrupted_samples_are_flagged_by_sample_and_defect(
     zeroed = rewrite(storage, job, 1, zero_middle_layer)
     swapped = rewrite(storage, job, 2, swap_low_layers)
     foreign = rewrite(storage, job, 3, another_samples_final)
+    # A whole sample file of another job (the same dataset extracted again: a different conversation in its place).
+    other_job = jobs.submit(
+        JobSpec(dataset_url=job.spec.dataset_url, model_path=job.model.path, shard_token_budget=200),
+        settings=settings,
+        storage=storage,
+        client=redis.Redis.from_url(redis_url),
+        enqueue=lambda *task: None,
+    )
+    run_job(EXTRACT, other_job, storage, redis_url, reference_server_url)
+    other_file = storage.get(
+        Manifest.model_validate_json(storage.get(layout.manifest(other_job.job_id, 0))).samples[0].key
+    )
+    misplaced = rewrite_file(storage, job, 4, other_file)
 
     report = audit(job, storage, settings, redis_url, reference_server_url, audit_fraction=1.0)
 
     assert not report.passed and report.samples_checked == job.samples_total
     reasons = {failure.sample_id: " | ".join(failure.reasons) for failure in report.failures}
-    assert set(reasons) == {zeroed, swapped, foreign}
+    assert set(reasons) == {zeroed, swapped, foreign, misplaced}
     assert f"aux layer 1 (model layer {job.aux_layer_ids[1]}): relative error 1.000" in reasons[zeroed]
     assert "swapped" in reasons[swapped]
     assert "final state: relative error" in reasons[foreign]
+    assert "input ids" in reasons[misplaced] or "length" in reasons[misplaced]
 
 
 def test_a_file_changed_after_its_commit_is_flagged(

@@ -26,7 +26,7 @@ from shared.data.datasets import Conversation
 from shared.errors import JobNotFound, SubmitError
 from shared.lifecycle import progress
 from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model
-from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, utc_now
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, ShardInput, utc_now
 from shared.lifecycle.shards import load_job
 from shared.settings import Settings
 from shared.storage import layout
@@ -288,6 +288,9 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
         done: dict[int, AuditResult],
     ) -> AuditManifest:
         storage, tolerances = ctx.storage, tolerances_of(job.spec)
+        # The ids the source job planned, not the ones in the file: a whole file from another sample or job is
+        # self-consistent, and only its ids (or its length) give it away.
+        planned = planned_input_ids(storage, shard.source_job_id, {item.source_shard for item in pending})
         stored: dict[int, dict[str, Any]] = {}
         results = dict(done)
         for item in pending:
@@ -296,14 +299,20 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
                 results[item.sample_index] = AuditResult.of(item, None, reasons)
             else:
                 stored[item.sample_index] = record
-        requests = [(f"{job.job_id}-{index}", stored[index]["input_ids"].tolist()) for index in stored]
+        items = {item.sample_index: item for item in pending}
+        order = list(stored)
+        requests = [(f"{job.job_id}-{index}", planned[items[index].source_index]) for index in order]
         recomputed = prepared.capture_many(requests, job.aux_layer_ids)
-        for index, states in zip(list(stored), recomputed, strict=True):
-            item = next(i for i in pending if i.sample_index == index)
+        for index, (_, ids), states in zip(order, requests, recomputed, strict=True):
             comparison = compare_sample(
-                stored[index], states, job.aux_layer_ids, job.spec.storage_dtype, tolerances=tolerances
+                stored[index],
+                states,
+                job.aux_layer_ids,
+                job.spec.storage_dtype,
+                recomputed_input_ids=ids,
+                tolerances=tolerances,
             )
-            results[index] = AuditResult.of(item, comparison, [])
+            results[index] = AuditResult.of(items[index], comparison, [])
         for item in pending:
             result = results[item.sample_index]
             storage.put_if_absent(result_key(job.job_id, item.sample_index), result.model_dump_json().encode())
@@ -343,6 +352,15 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
             return AuditReport.model_validate_json(storage.get(report_key(job_id)))
         except ObjectNotFound:
             return None
+
+
+def planned_input_ids(storage: Storage, source_job_id: str, shard_indices: set[int]) -> dict[int, list[int]]:
+    """sample_index -> the input ids the source job planned, for the samples of these shards."""
+    planned: dict[int, list[int]] = {}
+    for shard_index in shard_indices:
+        shard = ShardInput.model_validate_json(storage.get(layout.shard_input(source_job_id, shard_index)))
+        planned |= {sample.sample_index: sample.input_ids for sample in shard.samples}
+    return planned
 
 
 def read_stored(storage: Storage, item: AuditItem) -> tuple[dict[str, Any] | None, list[str]]:
