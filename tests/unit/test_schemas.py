@@ -1,11 +1,13 @@
 """job.json refuses a key it does not know, naming it, and still reads every job.json an earlier version wrote."""
 
 import json
+import typing
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from shared.lifecycle.schemas import JobRecord, JobSpec, ModelRecord, RegenerationPlan
+from shared.lifecycle.kinds import KINDS
+from shared.lifecycle.schemas import JobKind, JobRecord, JobSpec, ModelRecord, RegenerationPlan
 
 # What each version added since the first job.json (commit 3cb05d1); nothing was ever removed or renamed.
 ADDED_TO_THE_SPEC = ("storage_dtype", "shard_seconds")  # 7035909 (fp8 storage), e93e577 (shards sized in seconds)
@@ -90,3 +92,15 @@ def test_an_unknown_key_in_a_job_json_is_refused_by_name(where: tuple[str, ...],
 def test_an_unknown_field_of_a_spec_is_refused_by_name() -> None:
     with pytest.raises(ValidationError, match=r"max_lenght\n  Extra inputs are not permitted"):
         JobSpec.model_validate({"dataset_url": "-", "max_lenght": 512})
+
+
+def test_every_kind_in_the_registry_is_declared_whole() -> None:
+    """A kind added to the registry without its declaration fails here, not at a worker: its name in JobSpec.kind,
+    its input and manifest models, and counters that progress can zero and recount."""
+    assert set(typing.get_args(JobKind)) == set(KINDS)
+    for name, kind in KINDS.items():
+        assert kind.name == name
+        assert issubclass(kind.input_type, BaseModel) and issubclass(kind.manifest_type, BaseModel)
+        assert all(isinstance(counter, str) and help_text for counter, help_text in kind.counters.items())
+        if "counters" not in kind.manifest_type.model_fields:
+            assert not kind.counters, f"{name} declares counters its manifests cannot carry"
