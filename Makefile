@@ -65,9 +65,11 @@ test-compose: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q tests/compose
 
+# Style and types: ruff on everything, mypy on shared/, services/ and eagle3/ ([tool.mypy] in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # ---- containers (docker compose; see docs/deployment.md) ----------------------------------------------------
 # make up                  the stack with the reference server on CPU, one worker

@@ -67,6 +67,7 @@ def cmd_demo(args: argparse.Namespace, settings: Settings) -> None:
         update={"model_path": model, "dataset_roots": [*settings.dataset_roots, str(demo_dir.resolve())]}
     )
     console.print(f"      model {model}\n      data  {dataset} ({args.conversations} conversations)")
+    regeneration: dict[str, Any] | None = None  # the regenerate job's summary, when the demo regenerates
     try:
         console.print(f"[bold]2/{steps}[/] starting the stack ({args.workers} workers; logs in {demo_dir / 'logs'})")
         with LocalStack(settings, workers=args.workers, log_dir=demo_dir / "logs", pick_free_ports=True) as stack:

@@ -454,9 +454,9 @@ def measure_launched(
     # One server at a time, each with the whole GPU: SGLang 0.5.23 profiles the free memory before and after loading
     # its weights, so servers starting side by side see each other's KV pools as their own weights and refuse to
     # start (seen on the H200, 2026-12-03: "Loaded weights leave no GPU memory for the KV cache").
-    for drafter, setting, launch in servers:
+    for drafter_name, server_setting, launch in servers:  # not drafter, setting: those are typed by the loop above
         with server_processes([launch], python=options.sglang_python) as (url,):
-            measure(drafter, setting, url)
+            measure(drafter_name, server_setting, url)
     return results
 
 

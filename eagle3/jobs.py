@@ -62,6 +62,7 @@ def progress_table(p: JobProgress) -> Table:
     ]
     if p.regeneration is not None:
         r = p.regeneration
+        assert r.output_key is not None  # every regenerate job registers its output key (progress.register_job)
         tokens = f"{p.tokens_done} / {p.tokens_total} projected (at most {r.max_generated_tokens})"
         rows[1] = ("generated tokens", tokens)
         rows[4:] = [

@@ -16,7 +16,7 @@ import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 from pydantic import BaseModel
 
@@ -86,7 +86,15 @@ def tokenizer_sha256(model_path: Path) -> str:
     return digest.hexdigest()
 
 
-def target_identity(model_path: Path) -> dict[str, str]:
+class TargetIdentity(TypedDict):
+    """The fields of a Provenance that a target folder alone determines."""
+
+    target_config_sha256: str
+    target_weights_sha256: str
+    tokenizer_sha256: str
+
+
+def target_identity(model_path: Path) -> TargetIdentity:
     """The fields of a Provenance that a target folder alone determines."""
     return {
         "target_config_sha256": target_config_sha256(model_path),

@@ -45,6 +45,7 @@ from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
 from shared.lifecycle import progress
 from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
+from shared.redis_replies import read_streams
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 from shared.storage.sample_format import HIDDEN_DTYPE, InvalidCapture, decode_sample
@@ -235,7 +236,7 @@ class ShardFollower:
         assert self.redis_client is not None
         reply = self.redis_client.xread({progress.events_key(self.job_id): self._last_event_id}, block=block_ms)
         fresh = []
-        for _stream, entries in reply or []:
+        for _stream, entries in read_streams(reply):
             for entry_id, raw in entries:
                 self._last_event_id = _text(entry_id)
                 fields = {_text(k): _text(v) for k, v in raw.items()}
@@ -280,7 +281,7 @@ class BroadcastShardSource:
         self.follower, self.group = follower, group
 
     def poll(self, *, block: bool) -> list[Manifest] | None:
-        payload: list[object] = [None]
+        payload: list[list[Manifest] | Eagle3Error | None] = [None]
         if dist.get_rank() == 0:
             assert self.follower is not None
             try:
@@ -290,7 +291,7 @@ class BroadcastShardSource:
         dist.broadcast_object_list(payload, src=0, group=self.group)
         if isinstance(payload[0], Eagle3Error):
             raise payload[0]
-        return payload[0]  # type: ignore[return-value]
+        return payload[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

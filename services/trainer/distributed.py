@@ -66,9 +66,9 @@ class Runtime:
             except Eagle3Error as exc:
                 error = exc
         if self.distributed:
-            payload: list[object] = [error]
+            payload: list[Eagle3Error | None] = [error]
             dist.broadcast_object_list(payload, src=0, group=self.control_group)
-            error = payload[0]  # type: ignore[assignment]
+            error = payload[0]
         if error is not None:
             raise error
         return result

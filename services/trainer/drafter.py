@@ -48,6 +48,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -290,8 +291,9 @@ class _TTTAttention(torch.autograd.Function):
     """`ttt_attention` with the default causal block, as flash attention plus a log-space merge (see above).
     The merge runs in fp32 with autocast off, so backward recomputes exactly the probabilities forward used."""
 
+    # ctx is Any: torch's FunctionCtx declares none of the attributes forward keeps on it for backward.
     @staticmethod
-    def forward(ctx, scale: float, query: Tensor, *steps: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, scale: float, query: Tensor, *steps: Tensor) -> Tensor:
         with torch.autocast(query.device.type, enabled=False):
             # steps = keys[0..i] then values[0..i], each (B, nkv, T, D); query (B, nh, T, D); G = nh // nkv
             num_steps = len(steps) // 2
@@ -317,7 +319,7 @@ class _TTTAttention(torch.autograd.Function):
             return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         with torch.autocast(grad_out.device.type, enabled=False):
             query, out, lse, *steps = ctx.saved_tensors
             keys, values = steps[: ctx.num_steps], steps[ctx.num_steps :]
@@ -512,6 +514,10 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    # Buffers (register_buffer in __init__), declared for the type checker: nn.Module's __getattr__ is Tensor | Module.
+    d2t: Tensor
+    t2d: Tensor
+
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.config = config

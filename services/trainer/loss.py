@@ -39,6 +39,7 @@ SafeAILab/EAGLE eagle/traineagle3/cnets.py.
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -116,7 +117,7 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
     """The gradient is computed in forward, so backward keeps one bf16 tensor instead of fp32 log-probabilities."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx: Any, logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:
         compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
         kernel = _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
         total, grad, argmax = kernel(logits, teacher_p, learnable.float())
@@ -125,7 +126,7 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
         return total, argmax
 
     @staticmethod
-    def backward(ctx, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:
         (grad,) = ctx.saved_tensors
         return grad * grad_total, None, None
 
@@ -208,7 +209,7 @@ def ttt_loss(
         [torch.stack(step_losses).detach(), torch.stack(step_correct).float(), torch.stack(step_counted).float()]
     ).tolist()
     return TTTOutput(
-        loss=loss,  # type: ignore[arg-type]
+        loss=loss,  # type: ignore[arg-type]  # sum() types an empty sum's 0; ttt_length >= 1 makes it a Tensor
         step_losses=losses,
         step_accuracies=[c / n if n else 0.0 for c, n in zip(correct, counted_rows, strict=True)],
         num_loss_tokens=int(counted_rows[0]),

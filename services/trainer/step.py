@@ -147,7 +147,8 @@ def train_step(
             batch = None  # too short to have a row to learn from (ttt_loss returns a loss without gradient)
         if batch is None and not distributed:
             continue
-        sync = contextlib.nullcontext() if (last or not distributed) else model.no_sync()  # type: ignore[operator]
+        # isinstance, not `distributed`: the type checker narrows `model` (to DDP, which has no_sync) on the test alone.
+        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
         with sync, autocast(device):
             if batch is None:
                 loss = model(None)

@@ -179,6 +179,7 @@ def build_trainer(
             block_s=config.follow_block_s,
         )
     )
+    # The ignore: follower is None on ranks other than 0, and there are other ranks only when distributed.
     source: ShardSource = BroadcastShardSource(follower, runtime.control_group) if runtime.distributed else follower  # type: ignore[assignment]
 
     # The model. Seeded identically on every rank; DDP also broadcasts rank 0's weights.
@@ -463,7 +464,8 @@ class Trainer:
         metrics.STEP.labels(*self.labels).set(self.step)
         metrics.TOKENS.labels(*self.labels).inc(result.tokens)
         metrics.LOSS.labels(*self.labels).set(result.loss)
-        metrics.LEARNING_RATE.labels(*self.labels).set(self.scheduler.get_last_lr()[0])
+        # A scheduler's rate may be a Tensor (a tensor lr); Gauge.set takes float() of it all the same.
+        metrics.LEARNING_RATE.labels(*self.labels).set(float(self.scheduler.get_last_lr()[0]))
         for i, (step_loss, accuracy) in enumerate(zip(result.step_losses, result.step_accuracies, strict=True)):
             metrics.POSITION_LOSS.labels(*self.labels, str(i)).set(step_loss)
             metrics.POSITION_ACCURACY.labels(*self.labels, str(i)).set(accuracy)
@@ -471,7 +473,7 @@ class Trainer:
     def _log_window(self, window: list[StepResult], seconds: float) -> None:
         """One history point (and one log line) per log window: means over its steps."""
         n = len(window)
-        entry = {
+        entry: dict[str, Any] = {
             "step": self.step,
             "loss": sum(r.loss for r in window) / n,
             "step_losses": [sum(v) / n for v in zip(*(r.step_losses for r in window), strict=True)],

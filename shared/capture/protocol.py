@@ -310,7 +310,8 @@ def write_capture_file(directory: Path, name: str, states: CapturedStates) -> Pa
             f.write(header)
             for tensor in tensors.values():
                 if tensor.numel():
-                    f.write(memoryview(tensor.detach().cpu().contiguous().view(torch.uint8).numpy()))
+                    # ndarray.data is memoryview(ndarray): numpy declares the buffer protocol only for Python 3.12+.
+                    f.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 from shared.errors import ConfigurationError
 from shared.settings import get_settings
@@ -117,7 +118,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     # local_files_only below covers the case where they were imported already.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     source_dir, gguf_file = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_file, local_files_only=True)
@@ -132,7 +133,8 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.bfloat16
-    model = LlamaForCausalLM(config)
+    # SmolLM2 is a Llama: its config is a LlamaConfig, which the auto class types as the base PreTrainedConfig.
+    model = LlamaForCausalLM(cast(LlamaConfig, config))
     result = model.load_state_dict(gguf_model.state_dict(), strict=False)
     # Tied lm_head may be reported either way depending on the version; anything else is a real mismatch.
     missing = [key for key in result.missing_keys if key != "lm_head.weight"]
@@ -141,5 +143,6 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
         raise ConfigurationError(
             f"model 'smollm2': GGUF state dict does not fit LlamaForCausalLM: missing={missing} unexpected={unexpected}"
         )
-    model.to(torch.bfloat16).save_pretrained(out_dir)
+    # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), whose type leaves `self` unbound.
+    model.to(torch.bfloat16).save_pretrained(out_dir)  # type: ignore[arg-type]
     tokenizer.save_pretrained(out_dir)

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 Source = Literal["chat", "code", "instructions"]
 SOURCES: tuple[Source, ...] = ("chat", "code", "instructions")
 DEFAULT_MIX: dict[Source, float] = {"chat": 0.40, "code": 0.35, "instructions": 0.25}
+# Shares by source name, as given (any names: checked) or as checked (DEFAULT_MIX, parse_mix). Both spelled out: a
+# Mapping's key type is invariant, so Mapping[str, float] alone would not take a dict[Source, float].
+Shares = Mapping[str, float] | Mapping[Source, float]
 
 PLACEHOLDER_ANSWER = "(placeholder: a regenerate job replaces this turn with the target model's own answer)"
 
@@ -188,7 +191,7 @@ def build_prompt_mix(
     train_prompts: int,
     eval_prompts: int = 32,
     seed: int = 0,
-    mix: Mapping[str, float] | None = None,
+    mix: Shares | None = None,
 ) -> PromptMixFiles:
     """Write train.jsonl (`train_prompts` prompts in the proportions of `mix`, default DEFAULT_MIX), eval_code.jsonl
     and eval_chat.jsonl (`eval_prompts` each, held out) to `out_dir`. Raises ConfigurationError when a data wheel
@@ -275,7 +278,7 @@ def check_held_out(train: Sequence[Prompt], held_out: Sequence[Prompt]) -> None:
 # Mix, picks, files
 
 
-def _checked_mix(mix: dict[str, float]) -> dict[Source, float]:
+def _checked_mix(mix: Shares) -> dict[Source, float]:
     unknown = sorted(set(mix) - set(SOURCES))
     if unknown:
         raise ConfigurationError(f"mix: unknown source(s) {unknown}, expected some of {list(SOURCES)}")

@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from jinja2.exceptions import TemplateError
 
@@ -161,11 +161,13 @@ class ChatTokenizer:
 
     def _render(self, conv: Conversation, messages: Sequence[Message]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
+            # With tokenize=False the template's text; transformers types every form the call can return.
+            rendered = self.tokenizer.apply_chat_template(
                 [{"role": message.role, "content": message.content} for message in messages],
                 chat_template=self.chat_template,
                 tokenize=False,
             )
+            return cast(str, rendered)
         except TemplateError as exc:  # e.g. "Conversation roles must alternate user/assistant"
             raise InvalidRecord(conv.sample_id, conv.line, "messages", f"chat template refused it: {exc}") from exc
 

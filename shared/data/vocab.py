@@ -30,8 +30,11 @@ class VocabMappingError(Eagle3Error):
 
 
 class _LossMasked(Protocol):
-    input_ids: list[int]
-    loss_mask: list[int]
+    # Read-only: a frozen dataclass (TokenizedSample) has them too.
+    @property
+    def input_ids(self) -> list[int]: ...
+    @property
+    def loss_mask(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,10 @@ class JobPlan(Generic[InputT]):
 
 class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     name: ClassVar[str]  # JobSpec.kind
-    input_type: ClassVar[type[BaseModel]]
-    manifest_type: ClassVar[type[BaseModel]]
+    # Each kind's class sets these two, like the class variables here; they are not annotated ClassVar only because
+    # a ClassVar cannot hold a type variable, and this way a shard input read back is an InputT, a manifest a ManifestT.
+    input_type: type[InputT]
+    manifest_type: type[ManifestT]
     # This kind's own counters in its jobs' progress, beside progress.COUNTERS: name -> what it counts (its metric's
     # help). A committed manifest adds to them through its `counters`; progress sets them to zero when it registers a
     # job and recounts them from the manifests, so every counter a manifest carries is declared here.
@@ -239,7 +241,7 @@ def check_served_model(job: JobRecord, info: ModelInfo, base_url: str, *, captur
         )
 
 
-def read_shard_input(kind: JobKind, storage: Storage, job_id: str, shard_index: int) -> BaseModel:
+def read_shard_input(kind: JobKind[InputT, Any, Any, Any], storage: Storage, job_id: str, shard_index: int) -> InputT:
     """The planned input of one shard, as its kind's model."""
     return kind.input_type.model_validate_json(storage.get(layout.shard_input(job_id, shard_index)))
 

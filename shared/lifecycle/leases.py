@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import redis
 
 from shared.lifecycle import progress
+from shared.redis_replies import members, text, text_hash
 from shared.storage import layout
 from shared.storage.objects import Storage
 
@@ -193,8 +194,8 @@ def claim_expired(client: redis.Redis, limit: int = 100) -> list[ExpiredLease]:
 def held(client: redis.Redis) -> list[Lease]:
     """Every lease currently in Redis (for status pages and tests)."""
     leases = []
-    for raw_id in client.zrange(LEASES, 0, -1):
-        fields = {k.decode(): v.decode() for k, v in client.hgetall(LEASE_PREFIX + raw_id.decode()).items()}
+    for raw_id in members(client.zrange(LEASES, 0, -1)):
+        fields = text_hash(client.hgetall(LEASE_PREFIX + text(raw_id)))
         if fields:
             leases.append(_lease(fields))
     return leases

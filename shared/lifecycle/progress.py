@@ -13,19 +13,23 @@ from collections.abc import Mapping
 from typing import Protocol, TypeVar
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.typing import EncodableT, FieldT
 
 from shared.errors import JobNotFound
 from shared.lifecycle.schemas import (
     DeadLetter,
+    JobKind,
     JobRecord,
+    JobState,
     Manifest,
     Progress,
     RegenerationManifest,
     RegenerationProgress,
 )
+from shared.redis_replies import members, stream_entries, text, text_hash
 from shared.storage import layout
 from shared.storage.objects import Storage
 
@@ -59,13 +63,15 @@ class CountedKind(Protocol):
     contract loads torch through the capture protocol, and the kinds sit above progress): the counters of its own that
     its manifests add to, and how much of the job a dead-lettered shard takes."""
 
-    counters: Mapping[str, str]
+    @property
+    def counters(self) -> Mapping[str, str]: ...  # a class variable of each JobKind
 
     def dead_shard_size(self, storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]: ...
 
 
 REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 _OUTAGE_BACKOFF_CAP_S = 2.0
+_JOB_KIND: TypeAdapter[JobKind] = TypeAdapter(JobKind)
 
 
 def connect(url: str, *, outage_wait_s: float) -> redis.Redis:
@@ -151,7 +157,7 @@ def _keys(job_id: str) -> list[str]:
 def register_job(client: redis.Redis, job: JobRecord, storage_url: str, kind: CountedKind) -> None:
     """The job's hash (its plan's numbers, every counter at zero, its kind's too) and its entry in the job list."""
     created = time.time()
-    regeneration = {}
+    regeneration: dict[FieldT, EncodableT] = {}
     if job.regeneration is not None:
         regeneration = {
             "max_generated_tokens": job.regeneration.max_generated_tokens,
@@ -218,7 +224,7 @@ def record_pause(client: redis.Redis, job_id: str, reason: str) -> None:
 
 def mark_finalized(client: redis.Redis, job_id: str, *, chained_job_id: str | None, error: str | None) -> None:
     """A regenerate job's dataset is assembled (and its chained job submitted, or why not)."""
-    fields: dict[str, str | int] = {"finalized": 1}
+    fields: dict[FieldT, EncodableT] = {"finalized": 1}
     if chained_job_id is not None:
         fields["chained_job_id"] = chained_job_id
     if error is not None:
@@ -232,7 +238,7 @@ def record_finalize_error(client: redis.Redis, job_id: str, error: str) -> None:
 
 
 def record_dead_letter(client: redis.Redis, letter: DeadLetter, *, num_samples: int, num_tokens: int) -> bool:
-    args = [letter.shard_index, num_samples, num_tokens, letter.reason[:2000]]
+    args: list[str | int] = [letter.shard_index, num_samples, num_tokens, letter.reason[:2000]]
     return bool(client.eval(_RECORD_DEAD, 4, *_keys(letter.job_id), *args))
 
 
@@ -246,14 +252,14 @@ def is_cancelled(client: redis.Redis, job_id: str) -> bool:
 
 
 def require_job(client: redis.Redis, job_id: str) -> dict[str, str]:
-    fields = {k.decode(): v.decode() for k, v in client.hgetall(job_key(job_id)).items()}
+    fields = text_hash(client.hgetall(job_key(job_id)))
     if not fields:
         raise JobNotFound(job_id)
     return fields
 
 
 def list_jobs(client: redis.Redis, limit: int = 100) -> list[str]:
-    return [j.decode() for j in client.zrevrange(JOBS_INDEX, 0, limit - 1)]
+    return [text(j) for j in members(client.zrevrange(JOBS_INDEX, 0, limit - 1))]
 
 
 class _CommittedShard(BaseModel):
@@ -326,8 +332,8 @@ def _recent_rate(
 ) -> tuple[float, float]:
     """Tokens/s over the last `window_s`, and the time of the newest event."""
     since_ms = int((now - window_s) * 1000)
-    entries = client.xrange(events_key(job_id), min=f"{since_ms}-0", max="+")
-    newest = client.xrevrange(events_key(job_id), count=1)
+    entries = stream_entries(client.xrange(events_key(job_id), min=f"{since_ms}-0", max="+"))
+    newest = stream_entries(client.xrevrange(events_key(job_id), count=1))
     last_event = int(newest[0][0].split(b"-")[0]) / 1000 if newest else started
     tokens = sum(int(fields[b"tokens"]) for _, fields in entries if fields[b"event"] == b"committed")
     span = min(window_s, max(now - started, 1e-3))
@@ -339,12 +345,13 @@ def job_progress(
 ) -> Progress:
     fields = require_job(client, job_id)
     number = {k: int(float(v)) for k, v in fields.items() if k not in _TEXT_FIELDS}
-    kind = fields.get("kind", "extract")
+    kind = _JOB_KIND.validate_python(fields.get("kind", "extract"))  # register_job wrote a JobRecord's kind
     started = float(fields["created_ts"])
     now = time.time()
     rate, last_event = _recent_rate(client, job_id, now=now, window_s=window_s, started=started)
     shards_total = number["shards_total"]
     finished_shards = number["shards_committed"] + number["shards_dead"]
+    state: JobState
     if number.get("cancelled"):
         state = "cancelled"
     elif finished_shards >= shards_total:

@@ -29,6 +29,7 @@ from shared.lifecycle import progress
 from shared.lifecycle.kinds import kind_of
 from shared.lifecycle.schemas import JobRecord
 from shared.lifecycle.shards import load_job
+from shared.redis_replies import text
 from shared.storage import layout
 from shared.storage.objects import Storage
 
@@ -165,7 +166,9 @@ class RedisState:
 def _marker(client: redis.Redis) -> str:
     """The marker's value, created if Redis has none (a new Redis, or one that lost its state)."""
     client.set(STATE_MARKER, secrets.token_hex(8), nx=True)
-    return client.get(STATE_MARKER).decode()
+    marker = client.get(STATE_MARKER)
+    assert marker is not None  # set just above, without an expiry
+    return text(marker)
 
 
 def recover_jobs(storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> list[str]:

@@ -11,6 +11,8 @@ import math
 import redis
 from pydantic import BaseModel
 
+from shared.redis_replies import text, text_hash
+
 # Shard durations vary from seconds (a small CPU shard) to an hour (a large GPU shard behind a slow store).
 LATENCY_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, math.inf)
 _SHARDS = "eagle3:metrics:shards"  # hash: "{task}|{field}" -> count or sum
@@ -60,7 +62,7 @@ def recent_rate(client: redis.Redis, task: str) -> float | None:
     worker's; None before the first."""
     tokens = seconds = 0.0
     for entry in client.lrange(_recent(task), 0, -1):
-        shard_tokens, shard_seconds = entry.decode().split()
+        shard_tokens, shard_seconds = text(entry).split()
         tokens, seconds = tokens + float(shard_tokens), seconds + float(shard_seconds)
     return tokens / seconds if seconds > 0 else None
 
@@ -70,7 +72,7 @@ def record_failure(client: redis.Redis, *, task: str, outcome: str, reason: str)
 
 
 def shard_histograms(client: redis.Redis) -> list[ShardHistogram]:
-    raw = {k.decode(): v.decode() for k, v in client.hgetall(_SHARDS).items()}
+    raw = text_hash(client.hgetall(_SHARDS))
     tasks = sorted({key.split("|", 1)[0] for key in raw})
     histograms = []
     for task in tasks:
@@ -94,6 +96,6 @@ def shard_histograms(client: redis.Redis) -> list[ShardHistogram]:
 def failure_counts(client: redis.Redis) -> list[FailureCount]:
     counts = []
     for key, value in sorted(client.hgetall(_FAILURES).items()):
-        task, outcome, reason = key.decode().split("|", 2)
+        task, outcome, reason = text(key).split("|", 2)
         counts.append(FailureCount(task=task, outcome=outcome, reason=reason, count=int(value)))
     return counts

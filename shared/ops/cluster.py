@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from shared.lifecycle.progress import job_key
 from shared.lifecycle.queue import SENT_TS_HEADER, SHARD_QUEUE
+from shared.redis_replies import scored_members, text, text_hash
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +96,9 @@ def list_workers(client: redis.Redis, *, stale_after_s: float, now: float | None
     """Every worker seen in the last day, most recently heard from first."""
     now = time.time() if now is None else now
     workers = []
-    for raw_name, _ in client.zrevrange(WORKERS_INDEX, 0, -1, withscores=True):
-        name = raw_name.decode()
-        fields = {k.decode(): v.decode() for k, v in client.hgetall(worker_key(name)).items()}
+    for raw_name, _ in scored_members(client.zrevrange(WORKERS_INDEX, 0, -1, withscores=True)):
+        name = text(raw_name)
+        fields = text_hash(client.hgetall(worker_key(name)))
         if "last_heartbeat_ts" not in fields:
             continue  # expired between the two reads
         last = float(fields["last_heartbeat_ts"])

@@ -263,8 +263,10 @@ def check_end_to_end(
                 )
                 return "pass", f"scratch job {job_id}: {job.samples_total} sample, {job.tokens_total} tokens planned"
 
-            checks.append(_timed("e2e: tokenize and plan", submit))
-            if checks[-1].status == "fail":
+            # A local, not checks[-1]: the type checker would keep the first test's narrowing after an append.
+            planning = _timed("e2e: tokenize and plan", submit)
+            checks.append(planning)
+            if planning.status == "fail":
                 return checks
 
             def capture() -> tuple[Status, str]:
@@ -287,8 +289,9 @@ def check_end_to_end(
                     f"{storage.url.rstrip('/')}/{job_id}/ in {outcome.seconds:.1f}s"
                 )
 
-            checks.append(_timed("e2e: capture, validate, commit", capture))
-            if checks[-1].status == "fail":
+            capturing = _timed("e2e: capture, validate, commit", capture)
+            checks.append(capturing)
+            if capturing.status == "fail":
                 return checks
             if train_probe is None:
                 checks.append(Check("e2e: trainer loads, one step", "warn", "no trainer probe wired"))

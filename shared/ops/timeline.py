@@ -8,6 +8,7 @@ from pydantic import BaseModel
 
 from shared.lifecycle import progress
 from shared.lifecycle.schemas import Progress
+from shared.redis_replies import stream_entries
 
 _PAGE = 5000  # stream entries read per round trip
 SMOOTHING_INTERVALS = 5  # a point's rate covers this many intervals: shards commit in bursts, not per interval
@@ -86,7 +87,7 @@ def _events(client: redis.Redis, job_id: str) -> list[tuple[float, str, int]]:
     out: list[tuple[float, str, int]] = []
     start = "-"
     while True:
-        entries = client.xrange(progress.events_key(job_id), min=start, max="+", count=_PAGE)
+        entries = stream_entries(client.xrange(progress.events_key(job_id), min=start, max="+", count=_PAGE))
         for entry_id, fields in entries:
             out.append((_entry_ts(entry_id), fields[b"event"].decode(), int(fields.get(b"tokens", 0))))
         if len(entries) < _PAGE:
@@ -98,7 +99,7 @@ def last_commit_ts(client: redis.Redis, job_id: str) -> float | None:
     """When the newest committed shard event was added (dead letters are not progress)."""
     end = "+"
     while True:
-        entries = client.xrevrange(progress.events_key(job_id), max=end, min="-", count=100)
+        entries = stream_entries(client.xrevrange(progress.events_key(job_id), max=end, min="-", count=100))
         for entry_id, fields in entries:
             if fields[b"event"] == b"committed":
                 return _entry_ts(entry_id)

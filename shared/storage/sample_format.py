@@ -20,7 +20,7 @@ whole fp8 range. `decode_sample` returns bf16 tensors either way: value = float(
 """
 
 import io
-from typing import Protocol
+from typing import IO, Protocol, cast
 
 import torch
 
@@ -133,7 +133,8 @@ def write_sample(
             record[f"{field}_scale"] = scale.unsqueeze(0)  # [1, L, groups]
     else:
         raise ValueError(f"storage_dtype {storage_dtype!r}: expected 'bfloat16' or 'fp8_e4m3'")
-    torch.save(record, out)  # a stream: torch.save needs only its write and flush
+    # torch.save types its target as a path or an IO[bytes], but of a stream it calls only write and flush.
+    torch.save(record, cast(IO[bytes], out))
 
 
 def decode_sample(data: bytes) -> dict[str, torch.Tensor]:

@@ -50,13 +50,15 @@ def extracted(tmp_path: Path, tiny_model_dir: Path, redis_url: str, reference_se
 
 
 def audit(job: JobRecord, storage: Storage, settings: Settings, redis_url: str, url: str, **spec: object):
+    sent: list[tuple] = []
     audit_job = jobs.submit(
         JobSpec(kind="audit", source_job_id=job.job_id, audit_backend_url=url, **spec),
         settings=settings,
         storage=storage,
         client=redis.Redis.from_url(redis_url),
-        enqueue=lambda *task: None,
+        enqueue=lambda *task: sent.append(task),
     )
+    assert sent == [("audit", audit_job.job_id, k) for k in range(audit_job.shards_total)]  # one task a shard
     run_job(AUDIT, audit_job, storage, redis_url, url)
     report = AUDIT.last_report(storage, job.job_id)
     assert report is not None and report.audit_job_id == audit_job.job_id

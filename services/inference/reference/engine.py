@@ -26,11 +26,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 import shared
 from shared.capture.protocol import (
@@ -370,7 +376,8 @@ class ReferenceEngine:
         start = time.monotonic()
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True, dtype=self.dtype)
-        model.to(self.device).eval().requires_grad_(False)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), whose type leaves `self` unbound.
+        model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]
         layers = getattr(model.base_model, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise ConfigurationError(
@@ -381,7 +388,8 @@ class ReferenceEngine:
             layer.register_forward_hook(partial(self._capture_hook, layer_id))
         self._model = model
         self._lm_head = model.get_output_embeddings()
-        self._vocab_rows = model.get_input_embeddings().num_embeddings
+        # transformers types the input embeddings as any nn.Module; a causal LM's are an nn.Embedding.
+        self._vocab_rows = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
 
         text_config = model.config.get_text_config()
         num_layers = len(layers)
@@ -608,7 +616,7 @@ def _next_token(logits: torch.Tensor, params: SamplingParams) -> int:
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
-def _eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """Every end-of-sequence id the model folder declares (generation config, model config, tokenizer)."""
     ids: set[int] = set()
     for value in (

@@ -91,7 +91,8 @@ def _prompts(body: GenerateRequest, engine: ReferenceEngine) -> tuple[list[list[
     """(prompts as token ids, whether the request is a batch)."""
     if body.input_ids is not None:
         if body.input_ids and isinstance(body.input_ids[0], list):
-            return body.input_ids, True  # type: ignore[return-value]  # the validator allows no mixed lists
+            return body.input_ids, True
+        # The ignore: not a batch, so a list of ints (the validator allows no mixed lists); mypy cannot tell.
         return [body.input_ids], False  # type: ignore[list-item]
     assert body.text is not None
     texts = [body.text] if isinstance(body.text, str) else body.text

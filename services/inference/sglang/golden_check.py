@@ -116,7 +116,8 @@ def compare(
 def hf_references(model_path: Path, prompts: list[list[int]], device: str, dtype: torch.dtype) -> list:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=dtype).to(device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), whose type leaves `self` unbound.
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     references = []
     with torch.no_grad():
         for prompt in prompts:

@@ -73,6 +73,7 @@ def create_job_from_upload(
         parsed = JobSpec.model_validate(fields)
     except (json.JSONDecodeError, ValidationError, AttributeError) as exc:
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"spec: {exc}") from exc
+    assert parsed.job_id is not None  # set above, from the spec or new
     if storage.exists(layout.job_json(parsed.job_id)):  # never replace the dataset of an existing job
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"job {parsed.job_id} already exists")
     storage.put(key, dataset.file.read())

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 import httpx
@@ -146,7 +146,8 @@ class PromptRenderer:
     def decode(self, output_ids: list[int]) -> str:
         """Text of generated ids, as a server decodes it (SGLang launched with --skip-tokenizer-init sends none)."""
         with self._lock:
-            return self.tokenizer.tokenizer.decode(output_ids, skip_special_tokens=True)
+            # One sequence decodes to one str; transformers types the batch form (a list of them) too.
+            return cast(str, self.tokenizer.tokenizer.decode(output_ids, skip_special_tokens=True))
 
 
 class TokenizerCache:
@@ -462,7 +463,7 @@ def finalize_if_complete(
     if chained_job_id is not None and chain is None:
         error = error or f"chained job {chained_job_id}: this worker cannot submit it (no producer API)"
         chained_job_id = None
-    elif chained_job_id is not None and not storage.exists(layout.job_json(chained_job_id)):
+    elif chain is not None and chained_job_id is not None and not storage.exists(layout.job_json(chained_job_id)):
         try:
             chain(chained_spec(job, storage))
             logger.info("job=%s submitted chained extraction job=%s", job.job_id, chained_job_id)

@@ -184,7 +184,7 @@ def _find(module: ast.Module, qualname: str) -> ast.AST | None:
         )
         if node is None:
             return None
-        scope = node.body  # type: ignore[attr-defined]
+        scope = node.body
     return node
 
 

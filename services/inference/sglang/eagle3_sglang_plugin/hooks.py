@@ -248,7 +248,7 @@ def output_streamer_class(streamer_class: type, scheduler: Any) -> type:
 
 @functools.cache
 def _request_level_capture_meta(base: type) -> type:
-    class Eagle3CaptureOutputStreamer(base):  # type: ignore[misc,valid-type]
+    class Eagle3CaptureOutputStreamer(base):
         """Emits `customized_info[CAPTURE_META_KEY]` once per request, not sliced per output token."""
 
         __slots__ = ()

@@ -95,8 +95,9 @@ def plan_capture(body: Any, limits: ModelLimits) -> CapturePlan:
     if request.input_ids and isinstance(request.input_ids[0], list):
         prompts, is_batch = request.input_ids, True
     else:
-        prompts, is_batch = [request.input_ids], False
-    prompts = [list(p) for p in prompts]  # type: ignore[arg-type]  # the validator allows no mixed lists
+        # The ignore: not a batch, so a list of ints (the validator allows no mixed lists); mypy cannot tell.
+        prompts, is_batch = [request.input_ids], False  # type: ignore[list-item]
+    prompts = [list(p) for p in prompts]
     check_request(prompts, is_batch, request.sampling_params, capture, limits.request_limits())
     try:
         order = slot_order(limits.capture_aux_layer_ids, capture.aux_layer_ids)
