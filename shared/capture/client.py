@@ -139,13 +139,16 @@ class InferenceClient:
         )
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "InferenceClient":
+    def from_settings(cls, settings: Settings, url: str | None = None) -> "InferenceClient":
+        """A client of the worker's own server, or of another one at `url` (over the body: a shared-memory hand-off
+        needs the server on this host, which only the worker's own is known to be)."""
+        own = url is None or url == settings.inference_url
         return cls(
-            settings.inference_url,
+            settings.inference_url if url is None else url,
             timeout_s=settings.inference_timeout_s,
             health_timeout_s=settings.inference_health_timeout_s,
             max_concurrency=settings.inference_concurrency,
-            transport=settings.capture_transport,
+            transport=settings.capture_transport if own else "body",
             shm_dir=settings.shm_dir,
         )
 

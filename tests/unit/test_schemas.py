@@ -7,7 +7,8 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from shared.lifecycle.kinds import KINDS
-from shared.lifecycle.schemas import JobKind, JobRecord, JobSpec, ModelRecord, RegenerationPlan
+from shared.lifecycle.schemas import JobKind, JobRecord, JobSpec, RegenerationPlan
+from tests.integration.test_progress import make_job
 
 # What each version added since the first job.json (commit 3cb05d1); nothing was ever removed or renamed.
 ADDED_TO_THE_SPEC = ("storage_dtype", "shard_seconds")  # 7035909 (fp8 storage), e93e577 (shards sized in seconds)
@@ -16,40 +17,20 @@ ADDED_TO_THE_RECORD = ("provenance",)  # 81a51a2
 
 def job_json(**spec: object) -> dict:
     """A job.json as this version writes it."""
-    job = JobRecord(
-        job_id="job-a",
-        created_at="2026-01-01T00:00:00",
-        spec=JobSpec(dataset_url="/x.jsonl", **spec),
-        model=ModelRecord(
-            path="/m",
-            architecture="LlamaForCausalLM",
-            num_hidden_layers=8,
-            hidden_size=64,
-            vocab_size=512,
-            template_hash="h",
-        ),
-        aux_layer_ids=[1, 3, 4],
-        hidden_size=64,
-        bytes_per_token=528,
-        samples_total=2,
-        samples_rejected=0,
-        samples_truncated=0,
-        tokens_total=100,
-        loss_tokens_total=10,
-        shards_total=1,
-        projected_bytes=52_800,
-        draft_vocab_size=100,
-        vocab_coverage=1.0,
-        versions={"eagle3": "0.1.0"},
-        regeneration=RegenerationPlan(
-            assistant_turns_total=1,
-            max_generated_tokens=8,
-            sampling_params={"max_new_tokens": 8, "temperature": 0.0},
-            output_key="job-a/regenerated.jsonl",
-            tokenizer_prefix="job-a/tokenizer/",
-        )
-        if spec.get("kind") == "regenerate"
-        else None,
+    job = make_job(shards=1).model_copy(
+        update={
+            "spec": JobSpec(dataset_url="/x.jsonl", **spec),
+            "versions": {"eagle3": "0.1.0"},
+            "regeneration": RegenerationPlan(
+                assistant_turns_total=1,
+                max_generated_tokens=8,
+                sampling_params={"max_new_tokens": 8, "temperature": 0.0},
+                output_key="job-a/regenerated.jsonl",
+                tokenizer_prefix="job-a/tokenizer/",
+            )
+            if spec.get("kind") == "regenerate"
+            else None,
+        }
     )
     return json.loads(job.model_dump_json())
 

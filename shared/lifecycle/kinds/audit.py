@@ -254,15 +254,7 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     def prepare(self, ctx: ShardContext, state: dict[str, InferenceClient], job: JobRecord) -> InferenceClient:
         url = job.spec.audit_backend_url or ctx.settings.inference_url
         if url not in state:
-            settings = ctx.settings
-            state[url] = InferenceClient(
-                url,
-                timeout_s=settings.inference_timeout_s,
-                health_timeout_s=settings.inference_health_timeout_s,
-                max_concurrency=settings.inference_concurrency,
-                transport=settings.capture_transport if url == settings.inference_url else "body",
-                shm_dir=settings.shm_dir,
-            )
+            state[url] = InferenceClient.from_settings(ctx.settings, url)
         client = state[url]
         client.wait_ready(ctx.settings.inference_ready_timeout_s)
         check_served_model(job, client.model_info(), client.base_url, capture=True)

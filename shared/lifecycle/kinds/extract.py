@@ -208,14 +208,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
         )
 
     def open(self, settings: Settings) -> InferenceClient:
-        return InferenceClient(
-            settings.inference_url,
-            timeout_s=settings.inference_timeout_s,
-            health_timeout_s=settings.inference_health_timeout_s,
-            max_concurrency=settings.inference_concurrency,
-            transport=settings.capture_transport,
-            shm_dir=settings.shm_dir,
-        )
+        return InferenceClient.from_settings(settings)
 
     def prepare(self, ctx: ShardContext, state: InferenceClient, job: JobRecord) -> None:
         # A GPU server answers 503 for minutes while it compiles kernels; that is a wait, not a failure.
