@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
 import torch
@@ -27,8 +26,8 @@ from shared.lifecycle.kinds import kind_of
 from shared.lifecycle.schemas import JobRecord, JobSpec, RejectedSample, utc_now
 from shared.lifecycle.shards import load_job
 from shared.settings import Settings
-from shared.storage import layout
-from shared.storage.objects import ObjectNotFound, Storage, open_storage
+from shared.storage import layout, locations
+from shared.storage.objects import ObjectNotFound, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -50,21 +49,12 @@ def new_job_id() -> str:
 def read_dataset_lines(url: str, settings: Settings) -> Iterator[bytes]:
     """Lines of a JSONL dataset at a local path, file:// URL or s3:// URL."""
     url = access.confine_dataset_url(url, settings)
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        try:
-            data = open_storage(f"s3://{parsed.netloc}", settings).get(parsed.path.lstrip("/"))
-        except ObjectNotFound as exc:
-            raise SubmitError(f"dataset {url} not found") from exc
-        yield from data.splitlines()
-        return
-    path = Path(parsed.path) if parsed.scheme == "file" else Path(url)
-    if parsed.scheme not in ("", "file"):
-        raise SubmitError(f"dataset {url}: unsupported scheme {parsed.scheme!r} (use a path, file:// or s3://)")
-    if not path.is_file():
-        raise SubmitError(f"dataset {url} not found")
-    with path.open("rb") as f:
-        yield from f
+    try:
+        yield from locations.read_lines(url, settings)
+    except ObjectNotFound as exc:
+        raise SubmitError(f"dataset {url} not found") from exc
+    except ConfigurationError as exc:
+        raise SubmitError(f"dataset {exc}") from exc
 
 
 def resolve_model(spec: JobSpec, settings: Settings) -> Path:

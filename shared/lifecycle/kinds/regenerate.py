@@ -14,7 +14,6 @@ the drafter learns the target's own distribution rather than human answers.
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -25,7 +24,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import urlparse
 
 import httpx
 import redis
@@ -61,8 +59,8 @@ from shared.lifecycle.schemas import (
 )
 from shared.lifecycle.shards import Cancelled
 from shared.settings import Settings
-from shared.storage import layout
-from shared.storage.objects import Storage, open_storage
+from shared.storage import layout, locations
+from shared.storage.objects import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -456,7 +454,7 @@ def finalize_if_complete(
     error: str | None = None
     if job.regeneration.output_url is not None:
         try:
-            write_copy(job.regeneration.output_url, storage.get(output_key), settings)
+            locations.write_whole(job.regeneration.output_url, storage.get(output_key), settings)
         except (OSError, ConfigurationError) as exc:
             error = f"writing the dataset to {job.regeneration.output_url}: {exc}"
     chained_job_id = job.regeneration.chained_job_id
@@ -483,28 +481,6 @@ def finalize_if_complete(
         f" error: {error}" if error else "",
     )
     return True
-
-
-def write_copy(url: str, data: bytes, settings: Settings | None) -> None:
-    """The dataset at a local path, file:// URL or s3://bucket/key, replaced atomically."""
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        open_storage(f"s3://{parsed.netloc}", settings).put(parsed.path.lstrip("/"), data)
-        return
-    if parsed.scheme not in ("", "file"):
-        raise ConfigurationError(f"output {url}: unsupported scheme {parsed.scheme!r} (use a path, file:// or s3://)")
-    path = Path(parsed.path) if parsed.scheme == "file" else Path(url)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _exists(url: str, settings: Settings) -> bool:
-    parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        return open_storage(f"s3://{parsed.netloc}", settings).exists(parsed.path.lstrip("/"))
-    return (Path(parsed.path) if parsed.scheme == "file" else Path(url)).exists()
 
 
 def submit_through_api(spec: JobSpec, settings: Settings, *, timeout_s: float = 600.0) -> str:
@@ -549,7 +525,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
 
     def check_spec(self, spec: JobSpec, settings: Settings) -> None:
         access.confine_output_url(spec.output_url, settings)
-        if spec.output_url is not None and _exists(spec.output_url, settings):
+        if spec.output_url is not None and locations.exists(spec.output_url, settings):
             raise SubmitError(f"output {spec.output_url} already exists; the regenerated dataset is never overwritten")
 
     def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Conversation:
