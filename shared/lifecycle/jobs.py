@@ -225,12 +225,14 @@ def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enque
     progress.rebuild(client, storage, job, kind)
     committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}
     pending = [k for k in range(job.shards_total) if k not in committed]
-    for shard_index in pending:
-        if storage.exists(layout.dead_letter(job_id, shard_index)):
-            samples, tokens = kind.dead_shard_size(storage, job_id, shard_index)  # as rebuild counted it
-            progress.forget_dead_letter(client, job_id, shard_index, num_samples=samples, num_tokens=tokens)
-            storage.delete(layout.dead_letter(job_id, shard_index))
-        enqueue(job.kind, job_id, shard_index)
+
+    def retry(shard_index: int) -> None:
+        samples, tokens = kind.dead_shard_size(storage, job_id, shard_index)  # as rebuild counted it
+        progress.forget_dead_letter(client, job_id, shard_index, num_samples=samples, num_tokens=tokens)
+        storage.delete(layout.dead_letter(job_id, shard_index))
+
+    # Checkpointed like a submit's enqueueing: a reaper finishes it if this process dies half way.
+    recovery.publish(storage, client, job, enqueue=enqueue, retry_dead=retry)
     for shard_index in kind.after_resume(storage, client, job, pending):
         enqueue(job.kind, job_id, shard_index)
     logger.info("resumed %s job=%s pending_shards=%d", kind.name, job_id, len(pending))

@@ -72,17 +72,28 @@ def index_job(storage: Storage, job_id: str) -> None:
     storage.put(layout.job_index_entry(job_id), b"")
 
 
-def publish(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue, start: int = 0) -> int:
-    """Enqueue every shard from `start` on that has neither a manifest nor a dead letter, checkpointing each;
-    returns how many were sent."""
+def publish(
+    storage: Storage,
+    client: redis.Redis,
+    job: JobRecord,
+    *,
+    enqueue: Enqueue,
+    start: int = 0,
+    retry_dead: Callable[[int], None] | None = None,
+) -> int:
+    """Enqueue every shard from `start` on that has no manifest, checkpointing each; returns how many were sent. A
+    dead-lettered shard is skipped, unless `retry_dead` is given (a resume): it clears the dead letter just before
+    the shard is enqueued, so that a producer dying in between leaves it dead-lettered, never neither."""
     manifests, letters = layout.manifests_prefix(job.job_id), layout.dead_letter_prefix(job.job_id)
-    finished = {layout.shard_index_from_manifest_key(k) for k in storage.list(manifests)}
-    finished |= {layout.shard_index_from_dead_letter_key(k) for k in storage.list(letters)}
+    committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(manifests)}
+    dead = {layout.shard_index_from_dead_letter_key(k) for k in storage.list(letters)} - committed
     keys = [progress.job_key(job.job_id), PUBLISHING]
     client.eval(_CHECKPOINT, 2, *keys, job.job_id, start)
     sent = 0
     for shard_index in range(start, job.shards_total):
-        if shard_index not in finished:
+        if shard_index not in committed and (shard_index not in dead or retry_dead is not None):
+            if shard_index in dead and retry_dead is not None:
+                retry_dead(shard_index)
             enqueue(job.kind, job.job_id, shard_index)
             sent += 1
         client.eval(_CHECKPOINT, 2, *keys, job.job_id, shard_index + 1)

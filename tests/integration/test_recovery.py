@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.lifecycle import progress, recovery
+from shared.lifecycle import jobs, progress, recovery
 from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.schemas import DeadLetter, JobRecord
 from shared.storage import layout
@@ -109,3 +109,33 @@ def test_a_recovery_under_way_is_not_repeated_by_another_worker(client: redis.Re
     client.set(recovery.RECOVERY_LOCK, "w1", ex=60)  # w1 is recovering
     assert state.check(storage, client, enqueue=lambda *a: pytest.fail("w1 enqueues")) == []
     assert state.epoch != client.get(recovery.STATE_MARKER).decode()  # w2 looks again until w1 is done
+
+
+def test_a_resume_that_died_half_way_is_finished_by_a_reaper_and_loses_no_dead_letter(
+    client: redis.Redis, storage: Storage
+) -> None:
+    """A resume enqueues through the same checkpoints as a submit: the producer killed after two shards leaves the
+    rest to the reaper, and a dead-lettered shard it had not reached stays dead-lettered (and counted) till then."""
+    job = make_job(shards=5)
+    published(storage, client, job)
+    for shard_index in (1, 3):  # dead-lettered earlier
+        letter = DeadLetter(job_id="job-a", shard_index=shard_index, error_type="X", reason="r", retries=3, worker="w")
+        storage.put(layout.dead_letter("job-a", shard_index), letter.model_dump_json().encode())
+    sent: list[int] = []
+
+    def dies_after_two(kind: str, job_id: str, shard_index: int) -> None:
+        if len(sent) == 2:
+            raise Died
+        sent.append(shard_index)
+
+    with pytest.raises(Died):
+        jobs.resume("job-a", storage=storage, client=client, enqueue=dies_after_two)
+    assert sent == [0, 1] and not storage.exists(layout.dead_letter("job-a", 1))
+    assert storage.exists(layout.dead_letter("job-a", 3))  # not reached: still dead-lettered, still counted
+    assert progress.job_progress(client, "job-a").shards_dead_lettered == 1
+
+    rest: list[int] = []
+    taken = recovery.take_over_stalled_publishing(
+        storage, client, enqueue=lambda kind, job_id, k: rest.append(k), stalled_after_s=0
+    )
+    assert taken == ["job-a"] and rest == [2, 4]  # shard 3 waits, visibly dead-lettered, for the next resume
