@@ -56,7 +56,6 @@ from bench.common import bench_job
 from services.trainer.config import TrainConfig
 from services.trainer.data import (
     BatchPlanner,
-    DataPosition,
     PlannedBatch,
     SampleCache,
     SampleLoader,
@@ -66,7 +65,7 @@ from services.trainer.data import (
 )
 from services.trainer.distributed import Runtime
 from services.trainer.step import StepResult, TrainClock
-from services.trainer.train import LoadingGroup, Trainer
+from services.trainer.train import LoadingGroup, Trainer, batch_planner
 from shared.capture.protocol import CapturedStates
 from shared.lifecycle.kinds.extract import commit_sample
 from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample, SampleInput, utc_now
@@ -147,15 +146,7 @@ def data_parts(
         architecture=job.model.architecture,
     )
     follower = ShardFollower(job, storage=storage, expected=expected, heldout_fraction=config.heldout_fraction)
-    planner = BatchPlanner(
-        follower,
-        batch_tokens=config.batch_tokens,
-        max_length=config.max_length,
-        epochs=config.epochs,
-        position=DataPosition(seed=config.seed),
-        pool_tokens=config.pool_tokens,
-        sort_by_length=config.sort_by_length,
-    )
+    planner = batch_planner(config, follower)
     cache = SampleCache(cache_dir, config.cache_budget_bytes) if cache_dir is not None else None
     loader = SampleLoader(
         storage, job_id=job.job_id, hidden_size=job.hidden_size, cache=cache, io_threads=config.io_threads

@@ -45,7 +45,7 @@ from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
 from shared.lifecycle import progress
 from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
-from shared.redis_replies import read_streams
+from shared.redis_replies import read_streams, text
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 from shared.storage.sample_format import HIDDEN_DTYPE, InvalidCapture, decode_sample
@@ -238,8 +238,8 @@ class ShardFollower:
         fresh = []
         for _stream, entries in read_streams(reply):
             for entry_id, raw in entries:
-                self._last_event_id = _text(entry_id)
-                fields = {_text(k): _text(v) for k, v in raw.items()}
+                self._last_event_id = text(entry_id)
+                fields = {text(k): text(v) for k, v in raw.items()}
                 index = int(fields["shard_index"])
                 if fields["event"] == "dead_lettered":
                     if index not in self.dead_lettered:
@@ -267,10 +267,6 @@ class ShardFollower:
         check_manifest(manifest, self.job_id, self.expected)
         self.manifests[manifest.shard_index] = manifest
         return manifest
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class BroadcastShardSource:

@@ -209,15 +209,7 @@ def build_trainer(
     clock = TrainClock()
 
     # The data.
-    planner = BatchPlanner(
-        source,
-        batch_tokens=config.batch_tokens,
-        max_length=config.max_length,
-        epochs=config.epochs,
-        position=DataPosition(seed=config.seed),
-        pool_tokens=config.pool_tokens,
-        sort_by_length=config.sort_by_length,
-    )
+    planner = batch_planner(config, source)
     cache_root = Path(config.cache_dir) if config.cache_dir else settings.home / "trainer-cache"
     cache = (
         SampleCache(cache_root / config.job_id / f"rank{runtime.rank}", config.cache_budget_bytes)
@@ -243,6 +235,19 @@ def build_trainer(
         planner=planner,
         loader=loader,
         follower=follower,
+    )
+
+
+def batch_planner(config: TrainConfig, source: ShardSource) -> BatchPlanner:
+    """The batches a run's config asks for, over `source`'s shards, from the start of the data."""
+    return BatchPlanner(
+        source,
+        batch_tokens=config.batch_tokens,
+        max_length=config.max_length,
+        epochs=config.epochs,
+        position=DataPosition(seed=config.seed),
+        pool_tokens=config.pool_tokens,
+        sort_by_length=config.sort_by_length,
     )
 
 
