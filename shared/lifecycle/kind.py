@@ -137,9 +137,10 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     def check_spec(self, spec: JobSpec, settings: Settings) -> None:
         """Refuse a spec for reasons of this kind, before the dataset is read (SubmitError)."""
 
-    @abstractmethod
     def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Any:
-        """One dataset record as this kind plans it; InvalidRecord rejects it with its field and reason."""
+        """One dataset record as this kind plans it (reads_dataset); InvalidRecord rejects it with its field and
+        reason."""
+        raise NotImplementedError(f"job kind {self.name} reads no dataset")
 
     @abstractmethod
     def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[Any]) -> JobPlan[InputT]:

@@ -22,7 +22,6 @@ from pydantic import BaseModel, Field
 
 from shared.capture.client import InferenceClient
 from shared.capture.compare import DEFAULT_TOLERANCES, FieldTolerances, SampleComparison, Tolerances, compare_sample
-from shared.data.datasets import Conversation
 from shared.errors import JobNotFound, SubmitError
 from shared.lifecycle import progress
 from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model
@@ -219,9 +218,6 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
             )
             for index, (shard_index, sample) in enumerate(chosen)
         ]
-
-    def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Any:
-        raise SubmitError("an audit reads no dataset: it checks the committed samples of source_job_id")
 
     def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[AuditItem]) -> JobPlan[AuditShardInput]:
         assert spec.source_job_id is not None
