@@ -164,7 +164,13 @@ class Completion:
 
 def generate(client: httpx.Client, url: str, prompt: list[int], *, max_new_tokens: int) -> Completion:
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
-    response = client.post(f"{url}/generate", json=body)
+    try:
+        response = client.post(f"{url}/generate", json=body)
+    except httpx.RemoteProtocolError:
+        # A pooled connection the server had closed as idle (its keep-alive is 5 s) fails like this before the request
+        # reaches it; seen with 512 threads on one client on the H200, 2026-12-04. A greedy decode is safe to send
+        # again on a new connection; a server that really went away fails this one with a connection error.
+        response = client.post(f"{url}/generate", json=body)
     if response.status_code != 200:
         raise Eagle3Error(f"SGLang at {url} answered {response.status_code}: {response.text[:300]}")
     return Completion.from_response(response.json())
@@ -465,8 +471,18 @@ def serving_args(
 ) -> list[str]:
     """Launch arguments after the model and address: the speculative setting, then what the user adds."""
     speculative = setting.launch_args(draft_dir) if setting is not None and draft_dir is not None else []
-    # CUDA graphs as SGLang sizes them by default (up to well above --concurrency on a large GPU), as users serve.
-    return [*speculative, *options.sglang_args]
+    # CUDA graphs on, as users serve, covering every batch the measurement runs (1 and --concurrency). SGLang sizes
+    # them by default for a few hundred requests on a large GPU, and capturing those took 80 s of each server's start
+    # on the H200 (2026-12-03) for batches this evaluation never runs; a graph size given in --sglang-args wins.
+    graphs = (
+        []
+        if any(arg.startswith("--cuda-graph") for arg in options.sglang_args)
+        else [
+            "--cuda-graph-max-bs-decode",
+            str(max(options.concurrency, 1)),
+        ]
+    )
+    return [*speculative, *graphs, *options.sglang_args]
 
 
 def _launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch:

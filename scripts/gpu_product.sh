@@ -11,10 +11,11 @@
 #   2 carry .sgl_b2 .gpu_data           bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
 #   3 carry .sgl_m1                     bash /tmp/sglang_device.sh stage
 #   4 carry .sgl_s .gpu_wheels          bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
-#   5 carry .sgl_m2                     bash /tmp/sglang_device.sh stage install smollm2;
-#                                       bash scripts/gpu_product.sh deps extract
-#   6 (nothing)                         bash scripts/gpu_product.sh train
-#   7 (nothing)                         bash scripts/gpu_product.sh evaluate
+#   5 carry .sgl_m2                     bash /tmp/sglang_device.sh stage install smollm2; bash scripts/gpu_product.sh deps
+#   6 (nothing)                         bash scripts/gpu_product.sh extract
+#   7 (nothing)                         bash scripts/gpu_product.sh train
+#   8 (nothing)                         bash scripts/gpu_product.sh evaluate
+# (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
 # command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
 # --resume` goes on from the report the stage before wrote. The machine is given back 30 s after a command ends (and
@@ -25,7 +26,7 @@
 #   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
 #   extract     `eagle3 demo --gpu --until extraction`: the stack, regeneration, extraction, SGLang's own rates
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
-#   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (two serving settings, to fit)
+#   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS (more arguments), OUT (where results go back).
@@ -70,7 +71,7 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
     case $step in
       extract) stage_args="--until extraction" ;;
       train) stage_args="--resume --until training" ;;
-      evaluate) stage_args="--resume --speculative 7,1,8 --speculative 3,1,4" ;;
+      evaluate) stage_args="--resume" ;;
     esac
     python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \

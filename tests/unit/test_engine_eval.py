@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from eagle3 import cli
@@ -22,6 +23,7 @@ from eagle3.engine_eval import (
     best_setting,
     engine_acceptance,
     engine_table,
+    generate,
     load_requests,
     matching_outputs,
     measure_launched,
@@ -68,6 +70,7 @@ def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Pat
     assert (values["speculative_num_steps"], values["speculative_eagle_topk"]) == (config.steps, config.topk)
     assert values["speculative_num_draft_tokens"] == config.draft_tokens
     assert not values["disable_cuda_graph"]  # served as users serve it
+    assert values["cuda_graph_max_bs_decode"] == 16  # graphs for every batch measured, and no larger
     assert values["attention_backend"] == "triton" and values["disable_radix_cache"]
 
 
@@ -77,6 +80,9 @@ def test_the_plain_launch_parses_without_speculation(tmp_path: Path) -> None:
     assert parsed.returncode == 0, parsed.stderr[-2000:]
     values = json.loads(parsed.stdout)
     assert values["speculative_algorithm"] is None and not values["disable_cuda_graph"]
+    assert values["cuda_graph_max_bs_decode"] == 8
+    mine = EngineEvalOptions(settings=[], concurrency=8, sglang_args=["--cuda-graph-max-bs-decode", "64"])
+    assert serving_args(mine, None) == ["--cuda-graph-max-bs-decode", "64"]  # the user's size wins
 
 
 def test_sglangs_parser_really_checks(tmp_path: Path) -> None:
@@ -147,6 +153,26 @@ def test_positions_are_left_out_when_sglang_sends_no_histogram() -> None:
 def test_an_answer_without_token_ids_is_an_error() -> None:
     with pytest.raises(Exception, match="without output_ids"):
         Completion.from_response({"text": "hi", "meta_info": {}})
+
+
+def test_a_connection_the_server_closed_as_idle_is_retried_once_and_a_second_failure_is_raised() -> None:
+    calls: list[int] = []
+
+    def closes_first(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+        return httpx.Response(200, json=answer([5, 6, 7], 2, [1, 1]))
+
+    with httpx.Client(transport=httpx.MockTransport(closes_first)) as client:
+        assert generate(client, "http://sglang", [1, 2], max_new_tokens=3).output_ids == [5, 6, 7]
+    assert len(calls) == 2
+
+    def always_closes(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
+
+    with httpx.Client(transport=httpx.MockTransport(always_closes)) as client, pytest.raises(httpx.RemoteProtocolError):
+        generate(client, "http://sglang", [1, 2], max_new_tokens=3)
 
 
 def test_outputs_are_compared_token_for_token_and_requests_keep_the_server_loaded() -> None:
