@@ -65,6 +65,13 @@ test-compose: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q tests/compose
 
+# k8s/overlays/cpu-small on a real single-node Kubernetes cluster (tests/k8s; skipped, with the reason, where the
+# cluster tool ../shared/tools/k8s-cluster/k8s-cluster.sh or a Docker daemon is missing). Also part of `make test`.
+.PHONY: test-k8s
+test-k8s: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m pytest -q tests/k8s
+
 # Style and types: ruff on everything, mypy on shared/, services/ and eagle3/ ([tool.mypy] in pyproject.toml).
 lint: install
 	$(VENV)/bin/ruff check .
