@@ -35,5 +35,7 @@ def read_progress(api: httpx.Client, job_id: str) -> Progress:
     return Progress.model_validate(check(api.get(f"/v1/jobs/{job_id}/progress")))
 
 
-def list_progress(api: httpx.Client) -> list[Progress]:
-    return [Progress.model_validate(p) for p in check(api.get("/v1/jobs"))]
+def list_progress(api: httpx.Client, *, older_than: str | None = None) -> list[Progress]:
+    """Every job; with `older_than` (7d, 12h), only finished jobs that finished longer ago."""
+    params = {} if older_than is None else {"older_than": older_than}
+    return [Progress.model_validate(p) for p in check(api.get("/v1/jobs", params=params))]

@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from eagle3 import demo, doctor, engine_eval, gpu_demo, prompts
+from eagle3 import demo, doctor, engine_eval, gpu_demo, prompts, retention
 from eagle3 import jobs as jobs_cli
 from services.trainer import cli as trainer_cli
 from services.worker import cli as worker_cli
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare_model)
     worker_cli.add_parsers(sub)
     jobs_cli.add_parsers(sub)
+    retention.add_parsers(sub)
     demo.add_parsers(sub)
     gpu_demo.add_gpu_arguments(sub.choices["demo"])
     trainer_cli.add_parsers(sub)

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from eagle3.api import api_client, check, list_progress, read_progress
 from eagle3.local_stack import LocalStack
+from eagle3.retention import human_size
 from shared import access
 from shared.errors import Eagle3Error
 from shared.lifecycle.schemas import JobSpec
@@ -313,9 +314,9 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
-    table = Table("job", "kind", "state", "tokens", "samples", "shards", "dead", "tokens/s")
+    table = Table("job", "kind", "state", "tokens", "samples", "shards", "dead", "tokens/s", "stored")
     with api_client(settings) as api:
-        jobs = list_progress(api)
+        jobs = list_progress(api, older_than=args.older_than)
     for p in jobs:
         table.add_row(
             p.job_id,
@@ -326,6 +327,7 @@ def cmd_jobs(args: argparse.Namespace, settings: Settings) -> None:
             f"{p.shards_committed}/{p.shards_total}",
             str(p.shards_dead_lettered),
             f"{p.tokens_per_second:.0f}",
+            human_size(p.bytes_stored),
         )
     console.print(table)
 
@@ -417,7 +419,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("jobs", help="list jobs")
+    p = sub.add_parser("jobs", help="list jobs, with the bytes each stores")
+    p.add_argument("--older-than", metavar="AGE", help="only finished jobs that finished longer ago (7d, 12h, 30m)")
     p.set_defaults(func=cmd_jobs)
 
     p = sub.add_parser("cancel", help="cancel a job: queued shards are skipped")

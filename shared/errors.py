@@ -55,6 +55,23 @@ class StorageFull(StorageUnavailable):
     """The object store (or disk) has no room or the quota is spent: the job pauses until there is room."""
 
 
+class OverStorageBudget(StorageFull):
+    """A shard would take the stored bytes past a storage budget (EAGLE3_STORAGE_BUDGET_BYTES or the job's own): the
+    job pauses like on a full store, and goes on once a delete makes room or the budget is raised."""
+
+
+class DeleteRefused(Eagle3Error):
+    """A job cannot be deleted now (it still runs, or a trainer follows it); the message says how to go on."""
+
+
+class JobDeleting(Eagle3Error):
+    """The job is being deleted (a delete began and did not finish): only running the delete again goes on."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id!r} is being deleted: run `eagle3 delete {job_id}` again to finish it")
+        self.job_id = job_id
+
+
 class ProducerUnavailable(TransientError):
     """The producer API (which a finishing regeneration asks to submit the chained job) cannot be reached."""
 

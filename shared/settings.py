@@ -36,7 +36,22 @@ class Settings(BaseSettings):
     file_fsync: bool = Field(
         default=False, description="fsync every file:// object: survives power loss, at disk speed"
     )
-    storage_budget_bytes: int | None = Field(default=None, description="refuse jobs projected above this")
+    storage_budget_bytes: int | None = Field(
+        default=None,
+        description="everything stored (all jobs' measured bytes): a submit projected above it is refused, a running "
+        "job pauses before a shard would cross it; `eagle3 budget` changes it while running",
+    )
+    retention_days: float | None = Field(
+        default=None,
+        gt=0,
+        description="the producer deletes finished jobs this many days after they finished (checkpoints kept); "
+        "unset: never",
+    )
+    maintenance_interval_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="how often the producer applies the retention and trims the shard events of finished jobs",
+    )
 
     # Inference
     inference_url: str = "http://127.0.0.1:30000"

@@ -1,5 +1,7 @@
 """The producer API: jobs, progress, metrics, the dashboard, and API docs that work without internet."""
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, status
@@ -13,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import shared
 from services.producer import errors
 from services.producer.deps import get_redis
+from services.producer.maintenance import Maintenance
 from services.producer.metrics import ClusterCollector, JobsCollector
 from services.producer.routes import jobs, ops
 from shared import access
@@ -57,10 +60,24 @@ class BodySizeLimit:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     access.check_api_settings(settings)  # closed by default: no token, no start
+
     # /docs serves Swagger UI from the fastapi-offline wheel, not a CDN: clusters are often air-gapped. No ReDoc:
     # its bundle still fetches a logo from its CDN.
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        maintenance = Maintenance(settings)  # retention and event trimming while the API serves
+        maintenance.start()
+        try:
+            yield
+        finally:
+            maintenance.stop()
+
     app = FastAPIOffline(
-        title="EAGLE-3 hidden-state factory", version=shared.__version__, static_url="/docs/static", redoc_url=None
+        title="EAGLE-3 hidden-state factory",
+        version=shared.__version__,
+        static_url="/docs/static",
+        redoc_url=None,
+        lifespan=lifespan,
     )
     app.add_middleware(
         BodySizeLimit,
@@ -68,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_upload_bytes=settings.api_max_upload_bytes,
     )
     app.include_router(jobs.router)
+    app.include_router(jobs.budget_router)
     app.include_router(ops.router)
 
     errors.install(app, settings)

@@ -8,6 +8,7 @@ whether it is read, cancelled, resumed or charted).
 | OverBudget (a job projected over the storage budget) | 413 |
 | DependencyUnavailable (Redis or storage down at submit), a Redis outage, StorageUnavailable | 503, Retry-After |
 | SubmitError (any other bad submit) | 422 |
+| DeleteRefused (a job that runs or a trainer follows), JobDeleting (a resume of a job being deleted) | 409 |
 
 Starlette picks the handler of the most specific class, so OverBudget and DependencyUnavailable are not 422s.
 """
@@ -17,7 +18,15 @@ from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 
 from shared import urls
-from shared.errors import DependencyUnavailable, JobNotFound, OverBudget, StorageUnavailable, SubmitError
+from shared.errors import (
+    DeleteRefused,
+    DependencyUnavailable,
+    JobDeleting,
+    JobNotFound,
+    OverBudget,
+    StorageUnavailable,
+    SubmitError,
+)
 from shared.settings import Settings
 
 RETRY_AFTER_S = 5  # what a 503 tells the client to wait before it tries again
@@ -39,6 +48,11 @@ def install(app: FastAPI, settings: Settings) -> None:
     @app.exception_handler(OverBudget)
     async def over_budget(request: Request, exc: OverBudget) -> JSONResponse:
         return answer(status.HTTP_413_CONTENT_TOO_LARGE, str(exc))
+
+    @app.exception_handler(DeleteRefused)
+    @app.exception_handler(JobDeleting)
+    async def conflict(request: Request, exc: Exception) -> JSONResponse:
+        return answer(status.HTTP_409_CONFLICT, str(exc))
 
     @app.exception_handler(SubmitError)
     async def bad_submit(request: Request, exc: SubmitError) -> JSONResponse:

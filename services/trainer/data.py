@@ -43,7 +43,7 @@ from pydantic import BaseModel, Field
 from services.trainer.loss import Batch
 from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
-from shared.lifecycle import progress
+from shared.lifecycle import followers, progress
 from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
 from shared.redis_replies import read_streams, text
 from shared.storage import layout
@@ -174,6 +174,8 @@ class ShardFollower:
         self._last_event_id = "0-0"  # the stream from its beginning: events before our start are deduplicated
         self._last_listing = -math.inf
         self._done = False
+        # While this trainer runs, the job is not deleted (without --force) nor its shard events trimmed.
+        self.mark = followers.FollowerMark(redis_client, job.job_id) if follow and redis_client is not None else None
 
     @property
     def job_id(self) -> str:

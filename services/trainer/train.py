@@ -430,6 +430,8 @@ class Trainer:
         stats = runtime.gather(self.loader.stats.as_dict())
         self._prefetch.shutdown()
         self.loader.close()
+        if self.follower is not None and self.follower.mark is not None:
+            self.follower.mark.stop()  # the job's data is read for good: it may be deleted from now on
         last = self.history[-1] if self.history else {}
         if runtime.rank == 0:
             logger.info(

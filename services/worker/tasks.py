@@ -15,7 +15,7 @@ from celery import Task
 from celery.exceptions import Retry
 
 from services.worker.celery_app import app, settings
-from shared.errors import QueueUnavailable, StorageFull, StorageUnavailable, TransientError
+from shared.errors import OverStorageBudget, QueueUnavailable, StorageFull, StorageUnavailable, TransientError
 from shared.lifecycle import progress, shards
 from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import KINDS, JobKind
@@ -80,7 +80,10 @@ def register(kind: JobKind) -> Task:
             # Storage full, or still unreachable after the retries: no fault of the shard's. It waits, the job paused
             # with the reason, and runs again after `storage_wait_s` however long that takes: a full store keeps its
             # retry count (it spends no attempt), an unreachable one starts afresh.
-            reason = "storage full" if isinstance(exc, StorageFull) else "storage unavailable"
+            if isinstance(exc, OverStorageBudget):
+                reason = "over the storage budget"
+            else:
+                reason = "storage full" if isinstance(exc, StorageFull) else "storage unavailable"
             shards.pause(context(), job_id, shard_index, f"{reason}: {exc}")
             retries = self.request.retries if isinstance(exc, StorageFull) else 0
             countdown = settings.storage_wait_s

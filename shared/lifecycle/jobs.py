@@ -19,8 +19,8 @@ import shared
 from shared import access, urls
 from shared.data.datasets import InvalidRecord, read_dataset
 from shared.data.tokenization import ChatTokenizer
-from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, OverBudget, SubmitError
-from shared.lifecycle import progress, recovery, shard_metrics
+from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, JobDeleting, SubmitError
+from shared.lifecycle import budget, progress, recovery, shard_metrics
 from shared.lifecycle.kind import Target, read_shard_input
 from shared.lifecycle.kinds import kind_of
 from shared.lifecycle.schemas import JobRecord, JobSpec, RejectedSample, utc_now
@@ -89,6 +89,8 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
     job_id = spec.job_id or new_job_id()
     if storage.exists(layout.job_json(job_id)):
         raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
+    if recovery.deleting_detail(storage, job_id) is not None:  # its job.json gone, the rest of the delete not yet
+        raise JobDeleting(job_id)
     kind.check_spec(spec, settings)
     spec = sized_shards(spec, client)
     try:
@@ -123,12 +125,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
         update={"job_id": job_id, "model_path": str(model_path), "aux_layer_ids": target.aux_layer_ids}
     )
     plan = kind.plan(job_id, spec, target, accepted)
-    if settings.storage_budget_bytes is not None and plan.projected_bytes > settings.storage_budget_bytes:
-        raise OverBudget(
-            f"job would store about {plan.projected_bytes / 1e9:.2f} GB ({plan.tokens_total} tokens x "
-            f"{plan.bytes_per_token} bytes/token) but the storage budget is "
-            f"{settings.storage_budget_bytes / 1e9:.2f} GB (EAGLE3_STORAGE_BUDGET_BYTES)"
-        )
+    budget.check_submit(client, settings, job_id, plan.projected_bytes, spec.storage_budget_bytes)
     job = JobRecord(
         job_id=job_id,
         created_at=utc_now(),
@@ -216,6 +213,8 @@ def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enque
     """Re-enqueue every shard without a manifest (dead-lettered ones included) after recounting from storage, plus
     whatever the kind asks to run again; returns the uncommitted shards."""
     job = load_job(storage, job_id)
+    if recovery.deleting_detail(storage, job_id) is not None:
+        raise JobDeleting(job_id)
     kind = kind_of(job.kind)
     recovery.index_job(storage, job_id)  # a job published before the index existed
     if not client.exists(progress.job_key(job_id)):

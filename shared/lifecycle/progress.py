@@ -352,7 +352,9 @@ def job_progress(
     shards_total = number["shards_total"]
     finished_shards = number["shards_committed"] + number["shards_dead"]
     state: JobState
-    if number.get("cancelled"):
+    if number.get("deleting"):  # set by shared/lifecycle/deletion.py before it removes anything
+        state = "deleting"
+    elif number.get("cancelled"):
         state = "cancelled"
     elif finished_shards >= shards_total:
         regeneration_errors = kind == "regenerate" and (number["samples_failed"] > 0 or "finalize_error" in fields)

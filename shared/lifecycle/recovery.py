@@ -31,7 +31,7 @@ from shared.lifecycle.schemas import JobRecord
 from shared.lifecycle.shards import load_job
 from shared.redis_replies import text
 from shared.storage import layout
-from shared.storage.objects import Storage
+from shared.storage.objects import ObjectNotFound, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,20 @@ return stalled
 def index_job(storage: Storage, job_id: str) -> None:
     """The job's entry in storage's job index, which outlives Redis."""
     storage.put(layout.job_index_entry(job_id), b"")
+
+
+def mark_index_deleting(storage: Storage, job_id: str, detail: bytes) -> None:
+    """A job being deleted: its index entry holds what the delete was asked (JSON, never empty) until the delete ends
+    by removing the entry; a published job's entry is empty (shared/lifecycle/deletion.py)."""
+    storage.put(layout.job_index_entry(job_id), detail)
+
+
+def deleting_detail(storage: Storage, job_id: str) -> bytes | None:
+    """What a delete under way was asked, or None when the job is not being deleted."""
+    try:
+        return storage.get(layout.job_index_entry(job_id)) or None
+    except ObjectNotFound:
+        return None
 
 
 def publish(
@@ -193,6 +207,12 @@ def recover_jobs(storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> 
             job = load_job(storage, job_id)
         except JobNotFound:
             continue  # its submit died before job.json: there is no job
+        if deleting_detail(storage, job_id) is not None:
+            # A delete was under way: the job shows as deleting (nothing enqueued) until the delete runs again.
+            progress.register_job(client, job, storage.url, kind_of(job.kind))
+            client.hset(progress.job_key(job_id), mapping={"deleting": 1, "cancelled": 1})
+            logger.warning("job %s was being deleted when Redis lost its state: run `eagle3 delete` again", job_id)
+            continue
         recovered.append(job_id)
         sent = recover_job(storage, client, job, enqueue=enqueue)
         logger.warning("job %s recovered from storage after Redis lost its state: %d shard(s) enqueued", job_id, sent)

@@ -11,7 +11,8 @@ from shared.storage.dtypes import StorageDtype
 
 LengthPolicy = Literal["truncate", "reject"]
 # paused: the job cannot go on until something outside it changes (storage full); Progress.paused_reason says what.
-JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled"]
+# deleting: a delete has begun and not finished (shared/lifecycle/deletion.py); running `eagle3 delete` again ends it.
+JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled", "deleting"]
 JobKind = Literal["extract", "regenerate", "audit"]
 ReasoningPolicy = Literal["keep", "drop"]
 
@@ -63,6 +64,12 @@ class JobSpec(BaseModel):
     storage_dtype: StorageDtype = Field(
         default="bfloat16",
         description="hidden states at rest: bfloat16 (SpecForge reads it) or fp8_e4m3 (about half the bytes)",
+    )
+    storage_budget_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description="this job's own storage budget: refused at submit when projected above it, paused while running "
+        "before a shard would cross it (`eagle3 budget --job` raises it)",
     )
 
     # Regeneration (kind "regenerate", docs/regeneration.md): the assistant turns are rewritten by the target

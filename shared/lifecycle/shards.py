@@ -17,7 +17,7 @@ import redis
 from pydantic import BaseModel
 
 from shared.errors import ConfigurationError, Eagle3Error, InferenceUnavailable, JobNotFound
-from shared.lifecycle import progress
+from shared.lifecycle import budget, progress
 from shared.lifecycle.kind import JobKind, ShardContext, read_shard_input
 from shared.lifecycle.schemas import DeadLetter, JobRecord, utc_now
 from shared.storage import layout
@@ -85,27 +85,31 @@ def run_shard(kind: JobKind, job_id: str, shard_index: int, ctx: ShardContext) -
     shard = read_shard_input(kind, storage, job_id, shard_index)
 
     items = kind.items(shard)
-    done: dict[int, Any] = {}
-    pending = []
-    for item in items:
-        key = kind.item_key(job_id, item)
-        if storage.exists(key):  # written by an earlier attempt that died before the manifest
-            done[item.sample_index] = kind.reuse(item, key, storage.get(key))
-        else:
-            pending.append(item)
-    try:
-        manifest = kind.process(ctx, state, ctx.prepared[job_id], job, shard, pending, done)
-    except Cancelled:
-        logger.info("cancelled job=%s shard=%d", job_id, shard_index)
-        return ShardOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
-    except InferenceUnavailable:
-        # The server went away (killed, restarting): the retry waits until it is ready again, as at the first shard,
-        # instead of spending its attempts on refused connections while the model loads.
-        ctx.prepared.pop(job_id, None)
-        raise
-    manifest.worker, manifest.started_at, manifest.committed_at = ctx.worker, started_at, utc_now()
-    manifest.timings_s["total"] = round(time.monotonic() - started, 4)
-    manifest = progress.commit_manifest(storage, client, manifest)
+    # Before anything is written, the shard's bytes must fit in the storage budgets; OverStorageBudget pauses the job.
+    projected = budget.shard_bytes(job, *kind.shard_size(shard))
+    with budget.reserved(client, ctx.settings, job, shard_index, projected) as reservation:
+        done: dict[int, Any] = {}
+        pending = []
+        for item in items:
+            key = kind.item_key(job_id, item)
+            if storage.exists(key):  # written by an earlier attempt that died before the manifest
+                done[item.sample_index] = kind.reuse(item, key, storage.get(key))
+            else:
+                pending.append(item)
+        try:
+            manifest = kind.process(ctx, state, ctx.prepared[job_id], job, shard, pending, done)
+        except Cancelled:
+            logger.info("cancelled job=%s shard=%d", job_id, shard_index)
+            return ShardOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
+        except InferenceUnavailable:
+            # The server went away (killed, restarting): the retry waits until it is ready again, as at the first
+            # shard, instead of spending its attempts on refused connections while the model loads.
+            ctx.prepared.pop(job_id, None)
+            raise
+        manifest.worker, manifest.started_at, manifest.committed_at = ctx.worker, started_at, utc_now()
+        manifest.timings_s["total"] = round(time.monotonic() - started, 4)
+        reservation.settle(manifest.bytes)
+        manifest = progress.commit_manifest(storage, client, manifest)
     seconds = time.monotonic() - started
     logger.info(
         "committed %s job=%s shard=%d samples=%d tokens=%d bytes=%d in %.2fs (%d reused)",
@@ -138,6 +142,10 @@ def dead_letter(
     resume runs it again), also when its input cannot be read. Committed: the kind's after-commit step failed."""
     storage, client = ctx.storage, ctx.redis
     reason = f"{type(error).__name__}: {error}"
+    if isinstance(error, JobNotFound):
+        # The job was deleted (or never planned) while its message waited: a letter would recreate its folder.
+        logger.warning("job=%s shard=%d: the job does not exist (deleted), nothing to record", job_id, shard_index)
+        return None
     if storage.exists(layout.manifest(job_id, shard_index)):
         if not kind.after_failure(ctx, job_id, shard_index, reason):
             logger.error("job=%s shard=%d failed after its commit: %s", job_id, shard_index, reason)

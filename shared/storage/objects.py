@@ -19,6 +19,7 @@ Notable:
   prefork pool forks after import and a client's connection pool must not cross a fork.
 """
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -29,7 +30,7 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class Storage(Protocol):
     def size(self, key: str) -> int: ...
     def list(self, prefix: str) -> list[str]: ...
     def delete(self, key: str) -> None: ...
+    def delete_many(self, keys: Sequence[str]) -> None: ...
     def check(self) -> None: ...
 
 
@@ -304,6 +306,16 @@ class FileStorage:
         with self._os_errors(key, "delete"):
             path.unlink(missing_ok=True)
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove the files, then the folders they leave empty (never the root)."""
+        folders: set[Path] = set()
+        for key in keys:
+            self.delete(key)
+            folders.update(p for p in self._path(key).parents if p != self.root and self.root in p.parents)
+        for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):  # the deepest first
+            with contextlib.suppress(OSError):  # not empty (or gone): it stays
+                folder.rmdir()
+
     def check(self) -> None:
         probe = self.root / f"{RESERVED_PREFIX}check-{uuid.uuid4().hex}"
         try:
@@ -373,6 +385,7 @@ def _fsync_dir(path: Path) -> None:
 
 S3_MIN_PART_BYTES = 5 * 1024 * 1024  # S3 refuses smaller parts, except the last one
 S3_MAX_PARTS = 10_000
+S3_DELETE_BATCH = 1000  # the most keys one DeleteObjects request may name
 S3_CONNECT_TIMEOUT_S = 5.0
 S3_READ_TIMEOUT_S = 60.0  # per socket read, not per request: a 64 MiB part keeps the socket busy
 # botocore's "standard" mode retries throttling, 5xx and connection errors with jittered backoff (about 3 s in
@@ -535,6 +548,24 @@ class S3Storage:
         name = self._name(key)
         with self._s3_errors(key, "delete"):
             self._client.delete_object(Bucket=self.bucket, Key=name)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """DeleteObjects, up to S3_DELETE_BATCH keys a request; a key any request could not delete raises."""
+        for start in range(0, len(keys), S3_DELETE_BATCH):
+            batch = keys[start : start + S3_DELETE_BATCH]
+            with self._s3_errors(batch[0], f"delete_objects ({len(batch)} keys from)"):
+                reply = self._client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": self._name(key)} for key in batch], "Quiet": True},
+                )
+            errors = reply.get("Errors", [])
+            if errors:  # the request went through, some keys did not: a missing key is no error in S3
+                first = errors[0]
+                what = f"s3 delete_objects {self.bucket}: {len(errors)} of {len(batch)} keys not deleted"
+                detail = f"{first.get('Key')}: {first.get('Code')}: {first.get('Message', '')}"
+                if first.get("Code") in _THROTTLED_CODES or first.get("Code") in _CREDENTIAL_CODES:
+                    raise StorageUnavailable(f"{what}, e.g. {detail}")
+                raise StorageRejected(f"{what}, e.g. {detail}")
 
     def check(self) -> None:
         where = f"bucket {self.bucket!r} at {self.endpoint_url or 'AWS'}"

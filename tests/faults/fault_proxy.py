@@ -10,7 +10,7 @@ import contextlib
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -30,6 +30,9 @@ class FaultProxy:
         self.port = free_port()
         self.fault: Fault = "none"
         self.injected = 0  # requests that got a fault
+        # Called with each request's head before its fault is chosen: a test may set `fault` from it (e.g. after
+        # the first request of some kind).
+        self.on_request: Callable[[bytes], None] | None = None
         self.loop = asyncio.new_event_loop()
         self.server: asyncio.Server | None = None
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -66,6 +69,8 @@ class FaultProxy:
             client_writer.close()
             return
         method = head.split(b" ", 1)[0]
+        if self.on_request is not None:
+            self.on_request(head)
         fault = self.fault
         writes = method in (b"PUT", b"POST")
         if fault == "slowdown" or (fault == "full" and writes):

@@ -5,7 +5,7 @@ import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from services.producer.deps import (
     Authorized,
@@ -15,8 +15,9 @@ from services.producer.deps import (
     SettingsDep,
     StorageDep,
 )
+from shared import access
 from shared.errors import JobNotFound
-from shared.lifecycle import jobs, progress
+from shared.lifecycle import budget, deletion, jobs, progress
 from shared.lifecycle.kinds import AUDIT, kind_of
 from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 from shared.storage import layout
@@ -38,8 +39,27 @@ def _submit(
 
 def _progress(job_id: str, settings: SettingsDep, client: RedisDep) -> Progress:
     return progress.job_progress(
-        client, job_id, window_s=settings.progress_window_s, budget_bytes=settings.storage_budget_bytes
+        client, job_id, window_s=settings.progress_window_s, budget_bytes=budget.store_budget(client, settings)
     )
+
+
+def _age_s(older_than: str) -> float:
+    try:
+        return deletion.parse_age(older_than)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"older_than: {exc}") from exc
+
+
+class BudgetUpdate(BaseModel):
+    storage_budget_bytes: int | None = Field(ge=1, description="the new budget in bytes; null: unlimited")
+    job_id: str | None = Field(
+        default=None, pattern=access.JOB_ID_PATTERN, description="a job's own budget; none: the store-wide one"
+    )
+
+
+class BudgetStatus(BaseModel):
+    storage_budget_bytes: int | None  # the store-wide budget in force (set while running, else the setting)
+    stored_bytes: int  # every job's measured bytes
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, dependencies=[Authorized])
@@ -81,8 +101,37 @@ def create_job_from_upload(
 
 
 @router.get("")
-def list_jobs(settings: SettingsDep, client: RedisDep) -> list[Progress]:
+def list_jobs(settings: SettingsDep, client: RedisDep, older_than: str | None = None) -> list[Progress]:
+    """Every job's progress, newest first; `older_than=7d`: only finished jobs that finished longer ago, oldest
+    first (what `eagle3 delete --older-than` and the retention delete)."""
+    if older_than is not None:
+        expired = deletion.expired_jobs(client, _age_s(older_than))
+        return [_progress(p.job_id, settings, client) for p in expired]  # with the budget, like every listing
     return [_progress(job_id, settings, client) for job_id in progress.list_jobs(client)]
+
+
+@router.delete("/{job_id}", dependencies=[Authorized])
+def delete_job(
+    job_id: JobIdPath,
+    settings: SettingsDep,
+    storage: StorageDep,
+    client: RedisDep,
+    cancel: bool = False,
+    force: bool = False,
+    with_checkpoints: bool = False,
+) -> deletion.DeleteReport:
+    """Delete a job's objects, Redis keys and index entry; trainer checkpoints stay unless `with_checkpoints`. 409
+    when it runs (`cancel` cancels it first) or a running trainer follows it (`force`). An interrupted delete leaves
+    the job `deleting`; calling this again finishes it."""
+    return deletion.delete_job(
+        job_id,
+        storage=storage,
+        client=client,
+        cancel=cancel,
+        force=force,
+        with_checkpoints=with_checkpoints,
+        wait_s=deletion.stop_wait_s(settings),
+    )
 
 
 @router.get("/{job_id}", dependencies=[Authorized])
@@ -139,3 +188,25 @@ def resume_job(
     """Re-enqueue every shard without a manifest, after recounting progress from storage."""
     jobs.resume(job_id, storage=storage, client=client, enqueue=enqueue)
     return _progress(job_id, settings, client)
+
+
+budget_router = APIRouter(prefix="/v1/budget", tags=["jobs"])
+
+
+@budget_router.get("")
+def get_budget(settings: SettingsDep, client: RedisDep) -> BudgetStatus:
+    """The store-wide storage budget in force and what is stored (open, like the job list)."""
+    return BudgetStatus(
+        storage_budget_bytes=budget.store_budget(client, settings), stored_bytes=budget.stored_bytes(client)
+    )
+
+
+@budget_router.put("", dependencies=[Authorized])
+def put_budget(update: BudgetUpdate, settings: SettingsDep, client: RedisDep) -> BudgetStatus:
+    """Change the store-wide budget, or a job's own, while jobs run: a job paused by it goes on by itself within
+    EAGLE3_STORAGE_WAIT_S once its next shard fits."""
+    if update.job_id is None:
+        budget.set_store_budget(client, update.storage_budget_bytes)
+    else:
+        budget.set_job_budget(client, update.job_id, update.storage_budget_bytes)
+    return get_budget(settings, client)

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from services.producer.deps import Authorized, JobIdPath, RedisDep, SettingsDep, StorageDep
 from shared.errors import JobNotFound
-from shared.lifecycle import jobs, progress
+from shared.lifecycle import budget, jobs, progress
 from shared.lifecycle.schemas import DeadLetter, JobRecord, Progress
 from shared.ops import cluster, inspection, timeline
 from shared.storage import layout
@@ -66,7 +66,7 @@ def get_overview(settings: SettingsDep, client: RedisDep) -> Overview:
                     client,
                     job_id,
                     window_s=settings.progress_window_s,
-                    budget_bytes=settings.storage_budget_bytes,
+                    budget_bytes=budget.store_budget(client, settings),
                     stall_after_s=settings.stall_after_s,
                 )
             )
@@ -83,7 +83,7 @@ def get_job_details(job_id: JobIdPath, settings: SettingsDep, storage: StorageDe
         client,
         job_id,
         window_s=settings.progress_window_s,
-        budget_bytes=settings.storage_budget_bytes,
+        budget_bytes=budget.store_budget(client, settings),
         stall_after_s=settings.stall_after_s,
     )
     return JobDetails(
