@@ -6,7 +6,7 @@ import redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.lifecycle import progress, shard_metrics
+from shared.lifecycle import budget, progress, shard_metrics
 from shared.lifecycle.kinds import KINDS
 from shared.ops import cluster, timeline
 from shared.settings import Settings
@@ -59,12 +59,10 @@ class JobsCollector(Collector):
             "1 when the job is queued or running and committed nothing for EAGLE3_STALL_AFTER_S",
             labels=["job_id", "state"],
         )
+        store_budget = budget.store_budget(self.client, self.settings)  # as `eagle3 budget` last set it
         for job_id in progress.list_jobs(self.client):
             p = progress.job_progress(
-                self.client,
-                job_id,
-                window_s=self.settings.progress_window_s,
-                budget_bytes=self.settings.storage_budget_bytes,
+                self.client, job_id, window_s=self.settings.progress_window_s, budget_bytes=store_budget
             )
             for name, family in families.items():
                 value = getattr(p, name)
@@ -82,6 +80,18 @@ class JobsCollector(Collector):
         yield reruns
         yield since_commit
         yield stalled
+        # What the store-wide budget counts, and the budget itself when there is one: the headroom to alert on.
+        yield GaugeMetricFamily(
+            "eagle3_storage_stored_bytes",
+            "Bytes stored by every job, what the storage budget counts",
+            value=float(budget.stored_bytes(self.client)),
+        )
+        if store_budget is not None:
+            yield GaugeMetricFamily(
+                "eagle3_storage_budget_bytes",
+                "The store-wide storage budget in force (EAGLE3_STORAGE_BUDGET_BYTES, or as `eagle3 budget` set it)",
+                value=float(store_budget),
+            )
 
 
 class ClusterCollector(Collector):

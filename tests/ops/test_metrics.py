@@ -61,6 +61,19 @@ def test_queue_and_worker_metrics(ops_stack: OpsStack, ran_jobs: RanJobs) -> Non
     assert _one(samples, "eagle3_job_stalled", job_id=ran_jobs.clean) == 0
 
 
+def test_storage_and_the_budget_set_while_running(ops_stack: OpsStack, ran_jobs: RanJobs) -> None:
+    ops_stack.wait_finished(ran_jobs.clean)
+    before = ops_stack.api.get("/v1/budget").json()["storage_budget_bytes"]
+    assert ops_stack.api.put("/v1/budget", json={"storage_budget_bytes": 10**12}).status_code == 200
+    try:
+        samples = _samples(ops_stack)
+        stored = ops_stack.api.get("/v1/budget").json()["stored_bytes"]
+        assert stored > 0 and _one(samples, "eagle3_storage_stored_bytes") == stored
+        assert _one(samples, "eagle3_storage_budget_bytes") == 10**12
+    finally:
+        ops_stack.api.put("/v1/budget", json={"storage_budget_bytes": before})
+
+
 def test_every_metric_the_grafana_dashboard_queries_is_exported(ops_stack: OpsStack, ran_jobs: RanJobs) -> None:
     dashboard = json.loads(GRAFANA_DASHBOARD.read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
