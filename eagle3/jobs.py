@@ -13,6 +13,7 @@ from types import FrameType
 from typing import Any
 
 import httpx
+from pydantic.fields import FieldInfo
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -141,27 +142,10 @@ EXTRACTION_OPTIONS = (
     "shard_seconds",
     "storage_dtype",
 )
-REGENERATION_OPTIONS = (
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "reasoning",
-    "conversations_per_shard",
-    "then_extract",
-    "then_train",
-)
-AUDIT_OPTIONS = (
-    "audit_samples",
-    "audit_fraction",
-    "audit_backend_url",
-    "audit_tolerance_aux",
-    "audit_tolerance_final",
-    "seed",
-    "shard_token_budget",
-    "job_id",
-)
+# A kind's own options are its declaration (KindOptions, shared/lifecycle/kinds/): each of its commands offers them
+# all but the ones that command takes another way (a positional argument, --out).
+KIND_COMMANDS: dict[str, tuple[str, ...]] = {"regenerate": ("output_url",), "audit": ("source_job_id",)}
+AUDIT_COMMON_OPTIONS = ("shard_token_budget", "job_id")
 FLAGS = {
     "model_path": ("--model", "--model-path"),
     "audit_samples": ("--samples",),
@@ -173,9 +157,11 @@ FLAGS = {
 AUDIT_REPORT_WAIT_S = 60.0  # the last shard's worker writes the report just after its commit
 
 
-def add_spec_options(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+def add_spec_options(
+    parser: argparse.ArgumentParser, names: tuple[str, ...], fields: dict[str, FieldInfo] = JobSpec.model_fields
+) -> None:
     for name in names:
-        field = JobSpec.model_fields[name]
+        field = fields[name]
         kind = field.annotation
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None: the option is X
             (kind,) = [t for t in typing.get_args(kind) if t is not type(None)]
@@ -189,6 +175,19 @@ def add_spec_options(parser: argparse.ArgumentParser, names: tuple[str, ...]) ->
         default = "" if field.default in (None, False) else f" (default {field.default})"
         options["help"] = (field.description or "") + default
         parser.add_argument(*FLAGS.get(name, ("--" + name.replace("_", "-"),)), **options)
+
+
+def kind_options(kind: str) -> dict[str, FieldInfo]:
+    """The options a kind declares that its command offers as flags. Imported when asked: the kinds load torch,
+    which the job commands (they only talk to the API) do not need to start."""
+    from shared.lifecycle.kinds import KINDS
+
+    fields = KINDS[kind].options.model_fields
+    return {name: field for name, field in fields.items() if name not in KIND_COMMANDS[kind]}
+
+
+def add_kind_options(parser: argparse.ArgumentParser, kind: str) -> None:
+    add_spec_options(parser, tuple(kind_options(kind)), kind_options(kind))
 
 
 def spec_of(args: argparse.Namespace, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:
@@ -220,7 +219,7 @@ def post_job(api: httpx.Client, dataset: str, spec: dict, *, upload: bool) -> di
 
 
 def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
-    spec = spec_of(args, EXTRACTION_OPTIONS + REGENERATION_OPTIONS, kind="regenerate")
+    spec = spec_of(args, EXTRACTION_OPTIONS + tuple(kind_options("regenerate")), kind="regenerate")
     if args.out is not None:
         spec["output_url"] = args.out if "://" in args.out else str(Path(args.out).resolve())
     with api_client(settings) as api:
@@ -229,7 +228,8 @@ def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
 
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> None:
-    spec = spec_of(args, AUDIT_OPTIONS, kind="audit", source_job_id=args.source_job_id)
+    names = AUDIT_COMMON_OPTIONS + tuple(kind_options("audit"))
+    spec = spec_of(args, names, kind="audit", source_job_id=args.source_job_id)
     out = Console(stderr=True) if args.json else console  # --json: stdout holds the report alone
     with api_client(settings) as api:
         record = check(api.post("/v1/jobs", json=spec))["job"]
@@ -381,7 +381,9 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
             token_file.unlink(missing_ok=True)
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction, command: str | None = None) -> None:
+    """The job commands. A kind's own options are added to its command only when that command runs (or when every
+    command is built, command None): reading them loads the kinds."""
     p = sub.add_parser("submit", help="submit an extraction job to the producer API")
     p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
     add_spec_options(p, EXTRACTION_OPTIONS)
@@ -397,7 +399,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
     p.add_argument("--out", help="also write the regenerated JSONL here (under EAGLE3_DATASET_ROOTS, or s3://)")
-    add_spec_options(p, EXTRACTION_OPTIONS + REGENERATION_OPTIONS)
+    add_spec_options(p, EXTRACTION_OPTIONS)
+    if command in (None, "regenerate"):
+        add_kind_options(p, "regenerate")
     p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
     p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
     p.set_defaults(func=cmd_regenerate)
@@ -409,7 +413,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "and exits 1 when the audit failed. The verdict is kept with the job (`eagle3 train` warns on a failed one).",
     )
     p.add_argument("source_job_id", metavar="JOB", help="the extraction job to audit")
-    add_spec_options(p, AUDIT_OPTIONS)
+    add_spec_options(p, AUDIT_COMMON_OPTIONS)
+    if command in (None, "audit"):
+        add_kind_options(p, "audit")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_audit)
 

@@ -3,6 +3,7 @@
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, status
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
@@ -19,6 +20,7 @@ from services.producer.maintenance import Maintenance
 from services.producer.metrics import ClusterCollector, JobsCollector
 from services.producer.routes import jobs, ops
 from shared import access
+from shared.lifecycle.kinds import KINDS
 from shared.settings import Settings, get_settings
 
 STATIC = Path(__file__).parent / "static"
@@ -57,6 +59,28 @@ class BodySizeLimit:
         await self.app(scope, receive_within_limit, send)
 
 
+def document_kind_options(app: FastAPI) -> None:
+    """/openapi.json and /docs: the job spec takes each kind's own options flat beside its common fields (checked
+    against the kind's declaration, shared/lifecycle/kind.py), so the schema lists them, each saying its kinds."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()  # FastAPI's own, which it keeps as app.openapi_schema: completed here once
+        properties = schema["components"]["schemas"]["JobSpec"]["properties"]
+        meanings: dict[str, list[str]] = {}
+        for name, kind in KINDS.items():
+            for option, field in kind.options.model_json_schema()["properties"].items():
+                properties.setdefault(option, field)
+                meanings.setdefault(option, []).append(f"{name} jobs: {field.get('description', '')}".strip())
+        for option, meaning in meanings.items():
+            properties[option]["description"] = "; ".join(meaning)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     access.check_api_settings(settings)  # closed by default: no token, no start
@@ -87,6 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(jobs.budget_router)
     app.include_router(ops.router)
+    document_kind_options(app)
 
     errors.install(app, settings)
 

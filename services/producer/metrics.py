@@ -69,9 +69,9 @@ class JobsCollector(Collector):
                 if value is not None:
                     family.add_metric([job_id, p.state], float(value))
             reruns.add_metric([job_id, p.state], float(p.shards_rerun))
-            if p.regeneration is not None:  # the progress of the one kind with counters of its own reports them
-                for name in KINDS[p.kind].counters:
-                    kind_counters[name].add_metric([job_id, p.state], float(getattr(p.regeneration, name)))
+            for name, value in p.counters.items():  # its kind's own, as the kind declares them
+                if name in kind_counters:
+                    kind_counters[name].add_metric([job_id, p.state], float(value))
             activity = timeline.job_activity(self.client, p, stall_after_s=self.settings.stall_after_s)
             since_commit.add_metric([job_id, p.state], activity.seconds_since_commit)
             stalled.add_metric([job_id, p.state], float(activity.stalled))

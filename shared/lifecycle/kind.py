@@ -6,10 +6,13 @@
   per job -> load the shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest
   create-only and count it once -> dead letter when it fails for good.
 
-A kind says what a shard input is (`plan`, `input_type`), what processing a shard means (`process`), what its
-committed output is (`manifest_type`), which counters of its own that output adds to the job's progress (`counters`)
-and which job a drafter trains on (`training_job`). Adding a kind is one new module in this package and one line in
-`shared/lifecycle/kinds/__init__.py`.
+A kind says which options a job of it takes beside the common ones (`options`: the fields of JobSpec that only it
+reads, validated at submit and whenever job.json is read), what a shard input is (`plan`, `input_type`), what
+processing a shard means (`process`), what its committed output is (`manifest_type`), which counters of its own that
+output adds to the job's progress (`counters`), whether the job needs one more step after its last shard before it is
+complete (`finalizes`) and which job a drafter trains on (`training_job`). Adding a kind is one new module in
+shared/lifecycle/kinds/ and one line in its `__init__.py`; the registry there refuses a kind that leaves one of these
+declarations out.
 """
 
 import json
@@ -18,10 +21,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from shared.capture.protocol import ModelInfo, default_aux_layer_ids
 from shared.data.datasets import Conversation
@@ -39,6 +42,18 @@ InputT = TypeVar("InputT", bound=BaseModel)  # one shard's planned input (inputs
 ItemT = TypeVar("ItemT", bound=BaseModel)  # one element of it: a sample, a conversation
 DoneT = TypeVar("DoneT")  # what an item leaves in storage once done, as the manifest needs it
 ManifestT = TypeVar("ManifestT", bound=BaseModel)  # manifests/shard_{k}.json
+
+
+class KindOptions(BaseModel):
+    """The options of a job kind beside JobSpec's common fields: a kind subclasses this with its own fields. Given in
+    the same flat submit body and recorded in job.json's spec; a key no field of the job's kind names is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Self:
+        """This kind's options of a spec (JobSpec checked them when it was built)."""
+        return cls.model_validate(spec.model_extra or {})
 
 
 @dataclass
@@ -107,6 +122,11 @@ class JobPlan(Generic[InputT]):
 
 class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     name: ClassVar[str]  # JobSpec.kind
+    # Declared by every kind (the registry checks): its options beside JobSpec's common fields (KindOptions itself for
+    # none), and whether a job of it runs a last step after its final shard (progress keeps it `running` until the
+    # kind records `finalized`, or the error that stopped it).
+    options: ClassVar[type[KindOptions]]
+    finalizes: ClassVar[bool]
     # Each kind's class sets these two, like the class variables here; they are not annotated ClassVar only because
     # a ClassVar cannot hold a type variable, and this way a shard input read back is an InputT, a manifest a ManifestT.
     input_type: type[InputT]
@@ -118,6 +138,8 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     # Whether a job of this kind plans from the records of `dataset_url` (accept); a kind that does not picks its
     # items itself (select), from what is already in storage.
     reads_dataset: ClassVar[bool] = True
+
+    DECLARATIONS: ClassVar[tuple[str, ...]] = ("name", "input_type", "manifest_type", "options", "finalizes")
 
     @property
     def task_name(self) -> str:

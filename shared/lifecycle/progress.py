@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Protocol, TypeVar
 
 import redis
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 from redis.typing import EncodableT, FieldT
@@ -21,7 +21,6 @@ from redis.typing import EncodableT, FieldT
 from shared.errors import JobNotFound
 from shared.lifecycle.schemas import (
     DeadLetter,
-    JobKind,
     JobRecord,
     JobState,
     Manifest,
@@ -51,6 +50,7 @@ _TEXT_FIELDS = (
     "created_at",
     "created_ts",
     "kind",
+    "counter_names",
     "chained_job_id",
     "output_key",
     "finalize_error",
@@ -61,17 +61,20 @@ _TEXT_FIELDS = (
 class CountedKind(Protocol):
     """What progress needs of a job's kind (a shared/lifecycle/kind.JobKind, which progress does not import: the kind
     contract loads torch through the capture protocol, and the kinds sit above progress): the counters of its own that
-    its manifests add to, and how much of the job a dead-lettered shard takes."""
+    its manifests add to, whether its jobs run a last step after their final shard, and how much of the job a
+    dead-lettered shard takes."""
 
     @property
     def counters(self) -> Mapping[str, str]: ...  # a class variable of each JobKind
+
+    @property
+    def finalizes(self) -> bool: ...  # likewise
 
     def dead_shard_size(self, storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]: ...
 
 
 REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 _OUTAGE_BACKOFF_CAP_S = 2.0
-_JOB_KIND: TypeAdapter[JobKind] = TypeAdapter(JobKind)
 
 
 def connect(url: str, *, outage_wait_s: float) -> redis.Redis:
@@ -168,6 +171,8 @@ def register_job(client: redis.Redis, job: JobRecord, storage_url: str, kind: Co
             job_key(job.job_id),
             mapping={
                 "kind": job.kind,
+                "finalizes": int(kind.finalizes),
+                "counter_names": ",".join(kind.counters),  # which fields job_progress reports as the kind's
                 **regeneration,
                 **{name: 0 for name in kind.counters},
                 "storage_url": storage_url,
@@ -345,7 +350,11 @@ def job_progress(
 ) -> Progress:
     fields = require_job(client, job_id)
     number = {k: int(float(v)) for k, v in fields.items() if k not in _TEXT_FIELDS}
-    kind = _JOB_KIND.validate_python(fields.get("kind", "extract"))  # register_job wrote a JobRecord's kind
+    kind = fields.get("kind", "extract")  # register_job wrote a JobRecord's kind
+    # What the job's kind declared when the job was registered; a job registered before kinds declared it: the one
+    # kind that finalized then.
+    finalizes = bool(number.get("finalizes", kind == "regenerate"))
+    counters = {name: number.get(name, 0) for name in fields.get("counter_names", "").split(",") if name}
     started = float(fields["created_ts"])
     now = time.time()
     rate, last_event = _recent_rate(client, job_id, now=now, window_s=window_s, started=started)
@@ -357,11 +366,13 @@ def job_progress(
     elif number.get("cancelled"):
         state = "cancelled"
     elif finished_shards >= shards_total:
-        regeneration_errors = kind == "regenerate" and (number["samples_failed"] > 0 or "finalize_error" in fields)
-        if kind == "regenerate" and not number["shards_dead"] and not number.get("finalized"):
-            # Every shard is committed; the last worker is assembling the dataset and submitting the chain.
+        # A finalizing kind's failed samples are found, and its last step fails, without a dead shard.
+        finalizing_errors = finalizes and (number["samples_failed"] > 0 or "finalize_error" in fields)
+        if finalizes and not number["shards_dead"] and not number.get("finalized"):
+            # Every shard is committed; the last worker runs the kind's last step (a regenerate job: assembling the
+            # dataset and submitting the chain).
             state = "completed_with_errors" if "finalize_error" in fields else "running"
-        elif number["shards_dead"] or regeneration_errors:
+        elif number["shards_dead"] or finalizing_errors:
             state = "completed_with_errors"
         else:
             state = "completed"
@@ -420,6 +431,7 @@ def job_progress(
         elapsed_seconds=max(elapsed, 0.0),
         created_at=fields["created_at"],
         kind=kind,
+        counters=counters,
         regeneration=regeneration,
         paused_reason=fields.get("paused_reason") if state == "paused" else None,
     )

@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shared.access import JOB_ID_PATTERN
 from shared.provenance import Provenance
@@ -12,9 +12,8 @@ from shared.storage.dtypes import StorageDtype
 LengthPolicy = Literal["truncate", "reject"]
 # paused: the job cannot go on until something outside it changes (storage full); Progress.paused_reason says what.
 # deleting: a delete has begun and not finished (shared/lifecycle/deletion.py); running `eagle3 delete` again ends it.
-JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled", "deleting"]
-JobKind = Literal["extract", "regenerate", "audit"]
 ReasoningPolicy = Literal["keep", "drop"]
+JobState = Literal["queued", "running", "paused", "completed", "completed_with_errors", "cancelled", "deleting"]
 
 
 def utc_now() -> str:
@@ -28,20 +27,40 @@ def utc_now() -> str:
 JOB_JSON_CONFIG = ConfigDict(extra="forbid")
 
 
-AUDIT_FIELDS = (
-    "source_job_id",
-    "audit_samples",
-    "audit_fraction",
-    "audit_backend_url",
-    "audit_tolerance_aux",
-    "audit_tolerance_final",
-)
+# The options of the kinds as the flat JobSpec of earlier versions held them, at the defaults it wrote into every
+# job.json whatever the kind: a job.json written then still reads, without them, when its kind does not take them.
+LEGACY_OPTION_DEFAULTS: dict[str, Any] = {
+    "max_new_tokens": 2048,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "seed": None,
+    "reasoning": "keep",
+    "conversations_per_shard": 64,
+    "output_url": None,
+    "then_extract": False,
+    "then_train": False,
+    "source_job_id": None,
+    "audit_samples": None,
+    "audit_fraction": None,
+    "audit_backend_url": None,
+    "audit_tolerance_aux": None,
+    "audit_tolerance_final": None,
+}
+
+
+# Each registered job kind's options (KindOptions), by kind name: filled by the registry (shared/lifecycle/kinds), which
+# builds on these schemas, when it is imported; JobSpec checks a spec's kind and options against it.
+KIND_OPTIONS: dict[str, type[BaseModel]] = {}
 
 
 class JobSpec(BaseModel):
-    """What a user asks for. Recorded in job.json; every knob that changes the output is here."""
+    """What a user asks for. Recorded in job.json; every knob that changes the output is here: the fields below, common
+    to every kind, and the options of the job's kind (its KindOptions, shared/lifecycle/kind.py) in the same flat
+    object, checked against that declaration and recorded with their defaults."""
 
-    model_config = JOB_JSON_CONFIG
+    # Extra keys are the kind's options: accepted only as far as its KindOptions declares them (checked below).
+    model_config = ConfigDict(extra="allow")
 
     dataset_url: str | None = Field(
         default=None, description="file:///abs/data.jsonl, a local path, or s3://bucket/key.jsonl (an audit reads none)"
@@ -71,54 +90,31 @@ class JobSpec(BaseModel):
         description="this job's own storage budget: refused at submit when projected above it, paused while running "
         "before a shard would cross it (`eagle3 budget --job` raises it)",
     )
-
-    # Regeneration (kind "regenerate", docs/regeneration.md): the assistant turns are rewritten by the target
-    # itself. The extraction fields above then apply to the chained extraction job (then_extract).
-    kind: JobKind = "extract"
-    max_new_tokens: int = Field(default=2048, ge=1, description="per regenerated assistant turn")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, description="-1 keeps the whole vocabulary")
-    seed: int | None = Field(
-        default=None,
-        description="regenerate: sampling seed (each turn its own, derived); audit: which samples",
-    )
-    reasoning: ReasoningPolicy = Field(default="keep", description="keep or drop <think>...</think> text")
-    conversations_per_shard: int = Field(default=64, ge=1, description="conversations per regeneration shard")
-    output_url: str | None = Field(
-        default=None, description="also write the regenerated dataset here (under the dataset roots, or s3://)"
-    )
-    then_extract: bool = Field(default=False, description="submit an extraction job on the regenerated dataset")
-    then_train: bool = Field(
-        default=False,
-        description="train on the chained extraction job (implies then_extract): `eagle3 train --job <this job>`",
-    )
-
-    # Audit (kind "audit"): a seeded sample of another job's committed hidden states recomputed and compared.
-    source_job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN, description="the extraction job to audit")
-    audit_samples: int | None = Field(default=None, ge=1, description="samples to check (default 32)")
-    audit_fraction: float | None = Field(default=None, gt=0, le=1, description="or this share of the job's samples")
-    audit_backend_url: str | None = Field(
-        default=None, description="the capture server that recomputes (default: the workers' own, EAGLE3_INFERENCE_URL)"
-    )
-    audit_tolerance_aux: float | None = Field(default=None, gt=0, description="allowed relative error of an aux layer")
-    audit_tolerance_final: float | None = Field(default=None, gt=0, description="allowed relative error, final state")
+    kind: str = Field(default="extract", description="extract, regenerate or audit: one of the registered job kinds")
 
     @model_validator(mode="after")
-    def _check_kind(self) -> "JobSpec":
-        audit_fields = [name for name in AUDIT_FIELDS if getattr(self, name) is not None]
-        if audit_fields and self.kind != "audit":
-            raise ValueError(f"{', '.join(audit_fields)}: only for jobs of kind 'audit'")
-        if self.audit_samples is not None and self.audit_fraction is not None:
-            raise ValueError("audit_samples and audit_fraction: give one or the other")
-        if self.kind == "extract":
-            used = [name for name in ("then_extract", "then_train", "output_url") if getattr(self, name)]
-            if used:
-                raise ValueError(f"{', '.join(used)}: only for jobs of kind 'regenerate'")
-        if self.then_train:
-            self.then_extract = True
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (whole vocabulary) or >= 1, got {self.top_k}")
+    def _check_kind_options(self) -> "JobSpec":
+        if not KIND_OPTIONS:
+            raise RuntimeError("no job kind is registered: import shared.lifecycle.kinds before reading a JobSpec")
+        declared = KIND_OPTIONS.get(self.kind)
+        if declared is None:
+            raise ValueError(f"kind {self.kind!r}: not one of {', '.join(sorted(KIND_OPTIONS))}")
+        given = dict(self.model_extra or {})
+        for name, value in list(given.items()):
+            if name not in declared.model_fields and LEGACY_OPTION_DEFAULTS.get(name, ...) == value:
+                del given[name]  # an earlier version's job.json: another kind's option at its default
+        unknown = sorted(set(given) - set(declared.model_fields))
+        if unknown:
+            raise ValueError(f"{', '.join(unknown)}: not an option of jobs of kind {self.kind!r}")
+        try:
+            options = declared.model_validate(given)
+        except ValidationError as exc:
+            reasons = "; ".join(
+                f"{'.'.join(map(str, error['loc'])) or 'options'}: {error['msg']}" for error in exc.errors()
+            )
+            raise ValueError(f"{reasons} (kind {self.kind!r})") from None
+        # Recorded with their defaults, like the common fields: job.json says every knob that was in force.
+        self.__pydantic_extra__ = options.model_dump()
         return self
 
 
@@ -174,7 +170,7 @@ class JobRecord(BaseModel):
     provenance: Provenance | None = None  # what makes its hidden states comparable (shared/provenance.py)
 
     @property
-    def kind(self) -> JobKind:
+    def kind(self) -> str:
         return self.spec.kind
 
 
@@ -306,7 +302,8 @@ class Progress(BaseModel):
     eta_seconds: float | None
     elapsed_seconds: float
     created_at: str
-    kind: JobKind = "extract"
+    kind: str = "extract"
+    counters: dict[str, int] = Field(default_factory=dict)  # the kind's own counters (JobKind.counters), by name
     regeneration: RegenerationProgress | None = None
     paused_reason: str | None = None  # why a paused job waits, e.g. "storage full: ..."; None unless paused
 

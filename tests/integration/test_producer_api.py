@@ -200,4 +200,11 @@ def test_unreachable_storage_is_a_clear_503(redis_url: str, tmp_path: Path, tiny
 def test_metrics_dashboard_and_openapi_are_served(api: Api) -> None:
     assert api.client.get("/metrics").status_code == 200
     assert "EAGLE-3" in api.client.get("/dashboard").text
-    assert "/v1/jobs" in api.client.get("/openapi.json").json()["paths"]
+    schema = api.client.get("/openapi.json").json()
+    assert "/v1/jobs" in schema["paths"]
+    # The submit body lists every kind's own options beside the common fields, each saying which kinds take it.
+    spec = schema["components"]["schemas"]["JobSpec"]["properties"]
+    assert spec["max_new_tokens"]["description"].startswith("regenerate jobs: ")
+    seed = spec["seed"]["description"]
+    assert seed.startswith("regenerate jobs: ") and "; audit jobs: " in seed
+    assert "max_length" in spec and "audit_fraction" in spec

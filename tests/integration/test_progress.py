@@ -179,6 +179,31 @@ def test_a_rebuild_counts_the_counters_of_the_jobs_kind_once(redis_url: str, tmp
     assert client.hget(progress.job_key("job-a"), "widgets_done") == b"6"
     p = progress.job_progress(client, "job-a")
     assert (p.shards_committed, p.tokens_done, p.state) == (2, 200, "running")
+    assert p.counters == {"widgets_done": 6}  # the kind's own, reported whichever kind it is
+
+
+class Finishing(Extract):
+    """A kind with a last step after its final shard."""
+
+    name = "finishing"
+    finalizes = True
+
+
+def test_a_finalizing_kind_runs_until_its_last_step_is_recorded(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    progress.register_job(client, make_job(shards=2), "file:///tmp/x", Finishing())
+    for k in range(2):
+        progress.record_commit(client, make_manifest(k))
+    assert progress.job_progress(client, "job-a").state == "running"  # every shard committed, the last step not run
+    progress.mark_finalized(client, "job-a", chained_job_id=None, error=None)
+    assert progress.job_progress(client, "job-a").state == "completed"
+    # The same commits for a kind that does not finalize: complete with its last shard, and no counters of its own.
+    client.delete(progress.job_key("job-a"), progress.committed_key("job-a"))
+    progress.register_job(client, make_job(shards=2), "file:///tmp/x", EXTRACT)
+    for k in range(2):
+        progress.record_commit(client, make_manifest(k))
+    p = progress.job_progress(client, "job-a")
+    assert (p.state, p.counters) == ("completed", {})
 
 
 def test_a_rebuild_sizes_a_dead_shard_as_its_kind_does_and_counts_one_without_input(

@@ -457,8 +457,18 @@ def test_the_cli_submits_a_regenerate_job(
     args.func(args, setup.settings)
 
     job = jobs.load_job(setup.storage, sent[0][1])
-    assert (job.kind, job.spec.max_new_tokens, job.spec.reasoning, job.spec.temperature) == ("regenerate", 9, "drop", 0)
-    assert job.spec.then_extract and job.regeneration is not None and job.regeneration.output_url == str(out)
+    options = job.spec.model_dump()
+    assert (job.kind, options["max_new_tokens"], options["reasoning"], options["temperature"]) == (
+        "regenerate",
+        9,
+        "drop",
+        0,
+    )
+    assert (
+        job.spec.model_dump()["then_extract"]
+        and job.regeneration is not None
+        and job.regeneration.output_url == str(out)
+    )
     assert [kind for kind, _, _ in sent] == ["regenerate"] * job.shards_total
 
 

@@ -9,6 +9,7 @@ from shared.lifecycle import progress
 from shared.lifecycle.kinds import REGENERATE
 from shared.lifecycle.kinds.regenerate import (
     REGENERATION_COUNTERS,
+    RegenerateOptions,
     apply_reasoning,
     output_line,
     plan_conversation_shards,
@@ -72,8 +73,12 @@ def test_conversation_shards_keep_input_order() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        pytest.param({"then_extract": True}, "only for jobs of kind 'regenerate'", id="chain-on-extract"),
-        pytest.param({"output_url": "/tmp/x.jsonl"}, "only for jobs of kind 'regenerate'", id="output-on-extract"),
+        pytest.param({"then_extract": True}, "then_extract: not an option of jobs of kind", id="chain-on-extract"),
+        pytest.param(
+            {"output_url": "/tmp/x.jsonl"},
+            "output_url: not an option of jobs of kind",
+            id="output-on-extract",
+        ),
         pytest.param({"kind": "regenerate", "top_k": 0}, "top_k must be -1", id="top-k-zero"),
         pytest.param({"kind": "regenerate", "reasoning": "hide"}, "reasoning", id="unknown-reasoning"),
         pytest.param({"kind": "regenerate", "max_new_tokens": 0}, "max_new_tokens", id="no-new-tokens"),
@@ -85,9 +90,9 @@ def test_bad_regeneration_specs_are_refused(fields: dict, message: str) -> None:
 
 
 def test_then_train_implies_then_extract_and_old_specs_still_parse() -> None:
-    assert JobSpec(dataset_url="-", kind="regenerate", then_train=True).then_extract
+    assert RegenerateOptions.of(JobSpec(dataset_url="-", kind="regenerate", then_train=True)).then_extract
     old = JobSpec.model_validate({"dataset_url": "-", "max_length": 512})  # a job.json from before regeneration
-    assert (old.kind, old.then_extract, old.max_length) == ("extract", False, 512)
+    assert (old.kind, old.model_extra, old.max_length) == ("extract", {}, 512)
 
 
 def turn(**flags: bool) -> TurnRecord:

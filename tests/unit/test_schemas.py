@@ -1,13 +1,14 @@
 """job.json refuses a key it does not know, naming it, and still reads every job.json an earlier version wrote."""
 
 import json
-import typing
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from shared.lifecycle.kinds import KINDS
-from shared.lifecycle.schemas import JobKind, JobRecord, JobSpec, RegenerationPlan
+from shared.lifecycle.kind import JobKind, KindOptions
+from shared.lifecycle.kinds import KINDS, registry
+from shared.lifecycle.kinds.extract import Extract
+from shared.lifecycle.schemas import LEGACY_OPTION_DEFAULTS, JobRecord, JobSpec, RegenerationPlan
 from tests.integration.test_progress import make_job
 
 # What each version added since the first job.json (commit 3cb05d1); nothing was ever removed or renamed.
@@ -46,6 +47,25 @@ def test_a_job_json_of_the_first_version_still_reads(kind: str) -> None:
     assert (job.kind, job.spec.storage_dtype, job.spec.shard_seconds, job.provenance) == (kind, "bfloat16", None, None)
 
 
+@pytest.mark.parametrize("kind", ["extract", "regenerate"])
+def test_a_job_json_of_the_flat_spec_still_reads(kind: str) -> None:
+    """Before each kind declared its options, every job.json held every kind's, at their defaults when not asked."""
+    flat = job_json(kind=kind)
+    flat["spec"] = {**LEGACY_OPTION_DEFAULTS, **flat["spec"]}
+    if kind == "regenerate":
+        flat["spec"] |= {"max_new_tokens": 9, "then_extract": True}
+    job = JobRecord.model_validate_json(json.dumps(flat))
+    if kind == "extract":
+        assert job.spec.model_extra == {}  # nothing an extraction takes
+    else:
+        extra = job.spec.model_extra or {}
+        assert (extra["max_new_tokens"], extra["then_extract"], "audit_samples" in extra) == (9, True, False)
+    # A flat key away from its default is not another kind's leftover: it is refused.
+    flat["spec"]["audit_samples"] = 5
+    with pytest.raises(ValidationError, match=f"audit_samples: not an option of jobs of kind '{kind}'"):
+        JobRecord.model_validate_json(json.dumps(flat))
+
+
 def test_this_versions_job_json_reads_back_whole() -> None:
     written = job_json(kind="regenerate", then_extract=True, seed=3)
     assert json.loads(JobRecord.model_validate(written).model_dump_json()) == written
@@ -55,7 +75,6 @@ def test_this_versions_job_json_reads_back_whole() -> None:
     ("where", "loc"),
     [
         pytest.param((), "shards_planned", id="record"),
-        pytest.param(("spec",), "spec.shard_token_budjet", id="spec"),
         pytest.param(("model",), "model.num_layers", id="model"),
         pytest.param(("regeneration",), "regeneration.chained_job", id="regeneration-plan"),
     ],
@@ -71,17 +90,46 @@ def test_an_unknown_key_in_a_job_json_is_refused_by_name(where: tuple[str, ...],
 
 
 def test_an_unknown_field_of_a_spec_is_refused_by_name() -> None:
-    with pytest.raises(ValidationError, match=r"max_lenght\n  Extra inputs are not permitted"):
+    with pytest.raises(ValidationError, match="max_lenght: not an option of jobs of kind 'extract'"):
         JobSpec.model_validate({"dataset_url": "-", "max_lenght": 512})
+    with pytest.raises(ValidationError, match="shard_token_budjet: not an option of jobs of kind 'regenerate'"):
+        JobSpec.model_validate({"kind": "regenerate", "shard_token_budjet": 512})
+    # Another kind's option is not this kind's either; a bad value names the option and the kind.
+    with pytest.raises(ValidationError, match="then_extract: not an option of jobs of kind 'extract'"):
+        JobSpec.model_validate({"then_extract": True})
+    with pytest.raises(ValidationError, match=r"max_new_tokens: Input should be greater than or equal to 1 \(kind"):
+        JobSpec.model_validate({"kind": "regenerate", "max_new_tokens": 0})
+    with pytest.raises(ValidationError, match="kind 'summarize': not one of audit, extract, regenerate"):
+        JobSpec.model_validate({"kind": "summarize"})
+
+
+def test_a_kinds_options_are_recorded_with_their_defaults_and_read_typed() -> None:
+    spec = JobSpec.model_validate({"kind": "regenerate", "then_train": True})
+    options = KINDS["regenerate"].options.of(spec)
+    assert (options.then_train, options.then_extract) == (True, True)  # then_train implies it
+    assert spec.model_dump()["max_new_tokens"] == 2048 and spec.model_dump()["then_extract"] is True
+    assert JobSpec.model_validate(spec.model_dump()) == spec
 
 
 def test_every_kind_in_the_registry_is_declared_whole() -> None:
     """A kind added to the registry without its declaration fails here, not at a worker: its name in JobSpec.kind,
     its input and manifest models, and counters that progress can zero and recount."""
-    assert set(typing.get_args(JobKind)) == set(KINDS)
     for name, kind in KINDS.items():
         assert kind.name == name
+        assert issubclass(kind.options, KindOptions) and isinstance(kind.finalizes, bool)
         assert issubclass(kind.input_type, BaseModel) and issubclass(kind.manifest_type, BaseModel)
         assert all(isinstance(counter, str) and help_text for counter, help_text in kind.counters.items())
         if "counters" not in kind.manifest_type.model_fields:
             assert not kind.counters, f"{name} declares counters its manifests cannot carry"
+
+
+def test_a_kind_without_its_declarations_is_refused_when_registered() -> None:
+    class Summarize(JobKind):  # a new kind whose author wrote the work and forgot the declarations
+        def plan(self, *args: object) -> None: ...
+
+        open = prepare = items = item_key = reuse = process = plan
+
+    with pytest.raises(TypeError, match="Summarize does not declare name, input_type, manifest_type, options, final"):
+        registry([Summarize()])
+    with pytest.raises(TypeError, match="job kind 'extract' is declared twice"):
+        registry([Extract(), Extract()])

@@ -2,7 +2,7 @@
 dead letters, storage location and trainer runs. The dashboard is built on these."""
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, status
 from fastapi.responses import HTMLResponse
@@ -38,6 +38,7 @@ class JobDetails(BaseModel):
     storage_root: str
     dead_letters: list[DeadLetter]
     trainer_runs: list[inspection.TrainerRun]
+    kind_options: dict[str, Any]  # the options of the job's kind, as its spec recorded them (shared/lifecycle/kind.py)
 
 
 def _cluster(settings: SettingsDep, client: RedisDep) -> ClusterStatus:
@@ -93,6 +94,7 @@ def get_job_details(job_id: JobIdPath, settings: SettingsDep, storage: StorageDe
         storage_root=inspection.storage_root(storage, job_id),
         dead_letters=inspection.dead_letters(storage, job_id),
         trainer_runs=inspection.trainer_runs(storage, job_id),
+        kind_options=job.spec.model_extra or {},
     )
 
 

@@ -20,6 +20,8 @@ function renderCards(p, a, serverTs) {
     card("shards", `${exact(p.shards_committed)} / ${exact(p.shards_total)}`, "shards_committed", `<span class="${p.shards_dead_lettered ? "bad" : ""}">${exact(p.shards_dead_lettered)} dead-lettered</span>`),
     card("stored", bytes(p.bytes_stored), "bytes_stored", `projected ${bytes(p.projected_total_bytes)} · ${compact(p.bytes_per_token)} B/token`),
     card("budget headroom", headroomCell(p), "headroom"),
+    // The job kind's own counters, whichever kind it is.
+    ...Object.entries(p.counters || {}).map(([name, value]) => card(escapeHtml(name.replaceAll("_", " ")), exact(value), escapeHtml(name))),
   ].join("");
   document.getElementById("job-state").innerHTML = `<span class="kind">${p.kind}</span> ${stateBadge(p.state)}${stalledFlag(a)}${pausedReason(p)}`;
 }
@@ -38,6 +40,9 @@ function renderSettings(details) {
     ["max length", `${exact(spec.max_length)} (${spec.length_policy})`],
     ["shard budget", `${exact(spec.shard_token_budget)} tokens`],
     ["draft vocab", `${exact(job.draft_vocab_size)} (coverage ${(100 * job.vocab_coverage).toFixed(1)}%)`],
+    ...(Object.keys(details.kind_options).length
+      ? [[`${escapeHtml(job.spec.kind)} options`, `<span class="mono" data-field="kind_options">${Object.entries(details.kind_options).map(([k, v]) => `${escapeHtml(k)}=${escapeHtml(JSON.stringify(v))}`).join(" ")}</span>`]]
+      : []),
     ["created", `${escapeHtml(job.created_at)}`],
     ["versions", Object.entries(job.versions).map(([k, v]) => `${escapeHtml(k)} ${escapeHtml(v)}`).join(", ")],
   ];

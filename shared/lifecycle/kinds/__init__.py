@@ -1,13 +1,39 @@
 """The job kinds, by the name a JobSpec gives (`kind`). A new kind is a new module here and one line below."""
 
+from collections.abc import Iterable
+
 from shared.errors import SubmitError
 from shared.lifecycle.kind import JobKind
 from shared.lifecycle.kinds.audit import Audit
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.kinds.regenerate import Regenerate
+from shared.lifecycle.schemas import KIND_OPTIONS
+
+
+def registry(kinds: Iterable[JobKind]) -> dict[str, JobKind]:
+    """The kinds by name. A kind that leaves out a declaration (JobKind.DECLARATIONS) or reuses a name fails here, at
+    import, rather than when its first job reaches the code that reads the missing piece."""
+    found: dict[str, JobKind] = {}
+    for kind in kinds:
+        missing = [name for name in JobKind.DECLARATIONS if not hasattr(type(kind), name)]
+        if missing:
+            raise TypeError(f"job kind {type(kind).__name__} does not declare {', '.join(missing)} (JobKind says what)")
+        if kind.name in found:
+            twice = f"{type(found[kind.name]).__name__} and {type(kind).__name__}"
+            raise TypeError(f"job kind {kind.name!r} is declared twice: {twice}")
+        found[kind.name] = kind
+    return found
+
+
+def register(kinds: dict[str, JobKind]) -> None:
+    """Make the kinds the ones a JobSpec names, with their options."""
+    KIND_OPTIONS.clear()
+    KIND_OPTIONS.update({name: kind.options for name, kind in kinds.items()})
+
 
 AUDIT = Audit()  # also asked for a job's last audit (last_report)
-KINDS: dict[str, JobKind] = {kind.name: kind for kind in (Extract(), Regenerate(), AUDIT)}
+KINDS = registry((Extract(), Regenerate(), AUDIT))
+register(KINDS)
 EXTRACT, REGENERATE = KINDS["extract"], KINDS["regenerate"]
 
 

@@ -18,13 +18,14 @@ import statistics
 from typing import Any, ClassVar, Literal
 
 import redis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from shared.access import JOB_ID_PATTERN
 from shared.capture.client import InferenceClient
 from shared.capture.compare import DEFAULT_TOLERANCES, FieldTolerances, SampleComparison, Tolerances, compare_sample
 from shared.errors import JobNotFound, SubmitError
 from shared.lifecycle import progress
-from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model
+from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, ShardContext, Target, check_served_model
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, ShardInput, utc_now
 from shared.lifecycle.shards import load_job
 from shared.settings import Settings
@@ -142,11 +143,32 @@ class AuditReport(BaseModel):
     failures: list[AuditResult]
 
 
+class AuditOptions(KindOptions):
+    """An audit job's options: which extraction job, how many of its samples, against what, how strictly."""
+
+    source_job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN, description="the extraction job to audit")
+    audit_samples: int | None = Field(default=None, ge=1, description="samples to check (default 32)")
+    audit_fraction: float | None = Field(default=None, gt=0, le=1, description="or this share of the job's samples")
+    audit_backend_url: str | None = Field(
+        default=None, description="the capture server that recomputes (default: the workers' own, EAGLE3_INFERENCE_URL)"
+    )
+    audit_tolerance_aux: float | None = Field(default=None, gt=0, description="allowed relative error of an aux layer")
+    audit_tolerance_final: float | None = Field(default=None, gt=0, description="allowed relative error, final state")
+    seed: int | None = Field(default=None, description="which samples (default 0)")
+
+    @model_validator(mode="after")
+    def _one_size(self) -> "AuditOptions":
+        if self.audit_samples is not None and self.audit_fraction is not None:
+            raise ValueError("audit_samples and audit_fraction: give one or the other")
+        return self
+
+
 def tolerances_of(spec: JobSpec) -> Tolerances:
     """The default tolerances, with the job's overrides for the source's storage dtype."""
+    options = AuditOptions.of(spec)
     override = {
         name: value
-        for name, value in (("aux", spec.audit_tolerance_aux), ("final", spec.audit_tolerance_final))
+        for name, value in (("aux", options.audit_tolerance_aux), ("final", options.audit_tolerance_final))
         if value is not None
     }
     if not override:
@@ -168,6 +190,8 @@ def select_samples(
 
 class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     name = "audit"
+    options = AuditOptions
+    finalizes = False  # its last shard's worker writes the report after the commit; the job is complete without it
     input_type = AuditShardInput
     manifest_type = AuditManifest
     reads_dataset: ClassVar[bool] = False
@@ -176,12 +200,13 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     # ---- submit
 
     def complete_spec(self, spec: JobSpec, storage: Storage) -> JobSpec:
-        if not spec.source_job_id:
+        source_job_id = AuditOptions.of(spec).source_job_id
+        if not source_job_id:
             raise SubmitError("source_job_id: an audit names the extraction job it checks")
         try:
-            source = load_job(storage, spec.source_job_id)
+            source = load_job(storage, source_job_id)
         except JobNotFound:
-            raise SubmitError(f"source_job_id {spec.source_job_id}: no such job in {storage.url}") from None
+            raise SubmitError(f"source_job_id {source_job_id}: no such job in {storage.url}") from None
         if source.kind != "extract":
             raise SubmitError(f"source_job_id {source.job_id}: a job of kind {source.kind!r} has no hidden states")
         # The source's target, layers and stored dtype: the recomputation must be of the same thing.
@@ -195,16 +220,17 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
         )
 
     def select(self, spec: JobSpec, storage: Storage) -> list[AuditItem]:
-        assert spec.source_job_id is not None  # complete_spec refused the spec without it
+        options = AuditOptions.of(spec)
+        assert options.source_job_id is not None  # complete_spec refused the spec without it
         manifests = [
             Manifest.model_validate_json(storage.get(key))
-            for key in storage.list(layout.manifests_prefix(spec.source_job_id))
+            for key in storage.list(layout.manifests_prefix(options.source_job_id))
         ]
         chosen = select_samples(
-            manifests, samples=spec.audit_samples, fraction=spec.audit_fraction, seed=spec.seed or 0
+            manifests, samples=options.audit_samples, fraction=options.audit_fraction, seed=options.seed or 0
         )
         if not chosen:
-            raise SubmitError(f"source_job_id {spec.source_job_id}: no committed sample to audit yet")
+            raise SubmitError(f"source_job_id {options.source_job_id}: no committed sample to audit yet")
         return [
             AuditItem(
                 sample_index=index,
@@ -220,7 +246,8 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
         ]
 
     def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[AuditItem]) -> JobPlan[AuditShardInput]:
-        assert spec.source_job_id is not None
+        source_job_id = AuditOptions.of(spec).source_job_id
+        assert source_job_id is not None
         groups: list[list[AuditItem]] = [[]]
         tokens = 0
         for item in accepted:
@@ -230,7 +257,7 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
             groups[-1].append(item)
             tokens += item.num_tokens
         shards = [
-            AuditShardInput(job_id=job_id, shard_index=index, source_job_id=spec.source_job_id, items=items)
+            AuditShardInput(job_id=job_id, shard_index=index, source_job_id=source_job_id, items=items)
             for index, items in enumerate(groups)
         ]
         return JobPlan(
@@ -248,7 +275,7 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
         return {}  # one client per backend URL, made when a job first needs it
 
     def prepare(self, ctx: ShardContext, state: dict[str, InferenceClient], job: JobRecord) -> InferenceClient:
-        url = job.spec.audit_backend_url or ctx.settings.inference_url
+        url = AuditOptions.of(job.spec).audit_backend_url or ctx.settings.inference_url
         if url not in state:
             state[url] = InferenceClient.from_settings(ctx.settings, url)
         client = state[url]
@@ -325,7 +352,7 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
             write_report(ctx.storage, job)
 
     def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
-        if not pending and not storage.exists(report_key(job.spec.source_job_id or "")):
+        if not pending and not storage.exists(report_key(AuditOptions.of(job.spec).source_job_id or "")):
             return [job.shards_total - 1]  # every shard committed, the report not written: the task writes it
         return []
 
@@ -371,7 +398,7 @@ def read_stored(storage: Storage, item: AuditItem) -> tuple[dict[str, Any] | Non
 
 def write_report(storage: Storage, job: JobRecord) -> AuditReport:
     """Every committed shard's results, summed up into the source job's audit report (the last audit wins)."""
-    source_job_id = job.spec.source_job_id
+    source_job_id = AuditOptions.of(job.spec).source_job_id
     assert source_job_id is not None
     manifests = [
         AuditManifest.model_validate_json(storage.get(key)) for key in storage.list(layout.manifests_prefix(job.job_id))

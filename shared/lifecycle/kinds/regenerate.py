@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import httpx
 import redis
+from pydantic import Field, model_validator
 
 from shared import access
 from shared.capture.client import InferenceClient
@@ -41,7 +42,15 @@ from shared.errors import (
     SubmitError,
 )
 from shared.lifecycle import progress
-from shared.lifecycle.kind import JobKind, JobPlan, ShardContext, Target, check_served_model, dead_lettered_samples
+from shared.lifecycle.kind import (
+    JobKind,
+    JobPlan,
+    KindOptions,
+    ShardContext,
+    Target,
+    check_served_model,
+    dead_lettered_samples,
+)
 from shared.lifecycle.schemas import (
     ChatMessage,
     ConversationEntry,
@@ -63,6 +72,36 @@ from shared.storage import layout, locations
 from shared.storage.objects import Storage
 
 logger = logging.getLogger(__name__)
+
+
+class RegenerateOptions(KindOptions):
+    """A regenerate job's options (docs/regeneration.md): how the target rewrites every assistant turn. JobSpec's
+    extraction fields then apply to the chained extraction job (then_extract)."""
+
+    max_new_tokens: int = Field(default=2048, ge=1, description="per regenerated assistant turn")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 keeps the whole vocabulary")
+    seed: int | None = Field(default=None, description="sampling seed (each turn its own, derived)")
+    reasoning: ReasoningPolicy = Field(default="keep", description="keep or drop <think>...</think> text")
+    conversations_per_shard: int = Field(default=64, ge=1, description="conversations per regeneration shard")
+    output_url: str | None = Field(
+        default=None, description="also write the regenerated dataset here (under the dataset roots, or s3://)"
+    )
+    then_extract: bool = Field(default=False, description="submit an extraction job on the regenerated dataset")
+    then_train: bool = Field(
+        default=False,
+        description="train on the chained extraction job (implies then_extract): `eagle3 train --job <this job>`",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "RegenerateOptions":
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or >= 1, got {self.top_k}")
+        if self.then_train:
+            self.then_extract = True
+        return self
+
 
 # A rough size of one generated token in the output JSONL, for the projected bytes before anything is stored.
 OUTPUT_BYTES_PER_TOKEN = 5
@@ -194,13 +233,14 @@ class TokenizerCache:
 
 def sampling_params(spec: JobSpec) -> dict[str, Any]:
     """The sampling_params of every /generate request of a job (max_new_tokens may shrink to fit the context)."""
-    if spec.temperature == 0:
-        return {"max_new_tokens": spec.max_new_tokens, "temperature": 0.0}
+    options = RegenerateOptions.of(spec)
+    if options.temperature == 0:
+        return {"max_new_tokens": options.max_new_tokens, "temperature": 0.0}
     return {
-        "max_new_tokens": spec.max_new_tokens,
-        "temperature": spec.temperature,
-        "top_p": spec.top_p,
-        "top_k": spec.top_k,
+        "max_new_tokens": options.max_new_tokens,
+        "temperature": options.temperature,
+        "top_p": options.top_p,
+        "top_k": options.top_k,
     }
 
 
@@ -251,7 +291,7 @@ def regenerate_conversation(
     """Each assistant turn, in order, decoded given the regenerated history; user and system turns unchanged.
     A turn the server refuses (4xx), an abort, or a prompt with no room left in the context fails the conversation
     with the reason; outages (InferenceUnavailable) propagate, so that the shard is retried."""
-    spec = job.spec
+    spec, options = job.spec, RegenerateOptions.of(job.spec)
     source = Conversation(sample_id=conv.sample_id, line=conv.line)  # names the record in errors
     attempt = uuid.uuid4().hex[:8]
     messages: list[ChatMessage] = []
@@ -272,9 +312,9 @@ def regenerate_conversation(
                     f"prompt of {len(prompt)} tokens leaves no room to generate within the server's "
                     f"max_context_length {max_context_length}",
                 )
-            params = {**sampling_params(spec), "max_new_tokens": min(spec.max_new_tokens, room)}
-            if spec.seed is not None and spec.temperature > 0:
-                params["sampling_seed"] = turn_seed(spec.seed, conv.sample_index, index)
+            params = {**sampling_params(spec), "max_new_tokens": min(options.max_new_tokens, room)}
+            if options.seed is not None and options.temperature > 0:
+                params["sampling_seed"] = turn_seed(options.seed, conv.sample_index, index)
             rid = f"{job.job_id}/{conv.sample_index}/{index}/{attempt}"
             answer = inference.generate(input_ids=prompt, sampling_params=params, rid=rid)
             text, reasoning_field, completion_tokens, finish = _parse_answer(answer, where, renderer)
@@ -291,7 +331,7 @@ def regenerate_conversation(
                 error=reason,
                 failed_message_index=index,
             )
-        content, had_reasoning = apply_reasoning(text, reasoning_field, spec.reasoning)
+        content, had_reasoning = apply_reasoning(text, reasoning_field, options.reasoning)
         turns.append(
             TurnRecord(
                 message_index=index,
@@ -391,7 +431,7 @@ def summarize(job: JobRecord, manifests: list[RegenerationManifest]) -> dict[str
         "model": manifests[0].model if manifests else job.model.path,
         "server": manifests[0].server if manifests else {},
         "sampling_params": manifests[0].sampling_params if manifests else {},
-        "reasoning": job.spec.reasoning,
+        "reasoning": RegenerateOptions.of(job.spec).reasoning,
         "conversations_total": job.samples_total,
         "conversations_rejected": job.samples_rejected,
         "conversations_written": len(ok),
@@ -519,14 +559,17 @@ class RegenerateState:
 
 class Regenerate(JobKind[RegenerationShardInput, ConversationInput, ConversationResult, RegenerationManifest]):
     name = "regenerate"
+    options = RegenerateOptions
+    finalizes = True  # assembles the regenerated dataset (and submits the chained job) after its last shard
     input_type = RegenerationShardInput
     manifest_type = RegenerationManifest
     counters = REGENERATION_COUNTERS
 
     def check_spec(self, spec: JobSpec, settings: Settings) -> None:
-        access.confine_output_url(spec.output_url, settings)
-        if spec.output_url is not None and locations.exists(spec.output_url, settings):
-            raise SubmitError(f"output {spec.output_url} already exists; the regenerated dataset is never overwritten")
+        output_url = RegenerateOptions.of(spec).output_url
+        access.confine_output_url(output_url, settings)
+        if output_url is not None and locations.exists(output_url, settings):
+            raise SubmitError(f"output {output_url} already exists; the regenerated dataset is never overwritten")
 
     def accept(self, record: Conversation, spec: JobSpec, target: Target) -> Conversation:
         """The extraction's rules and messages (tokenize() included, so a conversation extraction would refuse is
@@ -550,14 +593,15 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
             )
             for index, record in enumerate(accepted)
         ]
+        options = RegenerateOptions.of(spec)
         turns_total = sum(m.role == "assistant" for c in conversations for m in c.messages)
-        max_generated = turns_total * spec.max_new_tokens
+        max_generated = turns_total * options.max_new_tokens
         shards = [
             RegenerationShardInput(
                 job_id=job_id, shard_index=shard_index, conversations=[conversations[i] for i in members]
             )
             for shard_index, members in enumerate(
-                plan_conversation_shards(len(conversations), spec.conversations_per_shard)
+                plan_conversation_shards(len(conversations), options.conversations_per_shard)
             )
         ]
         return JobPlan(
@@ -576,8 +620,8 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
                     max_generated_tokens=max_generated,
                     sampling_params=sampling_params(spec),
                     output_key=layout.regenerated_dataset(job_id),
-                    output_url=spec.output_url,
-                    chained_job_id=layout.chained_job_id(job_id) if spec.then_extract else None,
+                    output_url=options.output_url,
+                    chained_job_id=layout.chained_job_id(job_id) if options.then_extract else None,
                     tokenizer_prefix=layout.tokenizer_prefix(job_id),
                 ),
             },
@@ -662,6 +706,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         if not storage.put_if_absent(output_key, data):
             data = storage.get(output_key)
         ok = [r for r in ordered if not r.failed]
+        options = RegenerateOptions.of(job.spec)
         logger.info(
             "job=%s shard=%d decoded %d conversations (%d failed), %d generated tokens at %.0f tokens/s",
             job.job_id,
@@ -676,8 +721,8 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
             shard_index=shard.shard_index,
             model=info.model_path,
             server={"backend": info.backend, "version": info.version, "sglang_version": info.sglang_version},
-            sampling_params=sampling_params(job.spec) | ({"seed": job.spec.seed} if job.spec.seed is not None else {}),
-            reasoning=job.spec.reasoning,
+            sampling_params=sampling_params(job.spec) | ({"seed": options.seed} if options.seed is not None else {}),
+            reasoning=options.reasoning,
             output_key=output_key,
             sha256=hashlib.sha256(data).hexdigest(),
             conversations=[_entry(r, layout.conversation(job.job_id, r.sample_index)) for r in ordered],
