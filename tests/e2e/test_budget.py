@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,9 @@ from eagle3.retention import human_size
 from shared.lifecycle import budget, progress
 from shared.lifecycle.schemas import Progress
 from tests.datasets import write_dataset
-from tests.e2e.deployment import Deployment, deploy
+from tests.e2e.deployment import Deployment
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def deployment(
-    tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Deployment]:
-    home = tmp_path_factory.mktemp("home")
-    with deploy(s3_server, redis_server, tiny_model_dir, home, inference_concurrency=2) as d:
-        yield d
 
 
 def wait_paused(deployment: Deployment, job_ids: list[str], timeout_s: float = 120) -> Progress:

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,20 +26,11 @@ from shared.lifecycle.shards import load_job
 from shared.storage import layout
 from shared.storage.sample_format import decode_sample, encode_sample
 from tests.datasets import BAD_LINES, write_dataset
-from tests.e2e.deployment import Deployment, deploy
+from tests.e2e.deployment import Deployment
 from tests.fixtures.processes import broker_drained, wait_until
 from tests.reference_checks import HFReference, assert_matches_layers
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def deployment(
-    tiny_model_dir: Path, redis_server: str, s3_server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Deployment]:
-    home = tmp_path_factory.mktemp("home")
-    with deploy(s3_server, redis_server, tiny_model_dir, home, inference_concurrency=2) as d:
-        yield d
 
 
 def test_job_commits_exact_tensors_masks_and_manifests(
