@@ -4,6 +4,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from shared.access import JOB_ID_PATTERN
 from shared.provenance import Provenance
@@ -54,6 +55,13 @@ LEGACY_OPTION_DEFAULTS: dict[str, Any] = {
 KIND_OPTIONS: dict[str, type[BaseModel]] = {}
 
 
+def _field_error(field: str, value: Any, kind: str, message: str) -> ValidationError:
+    """A validation error of one field of a JobSpec, located at it like pydantic's own."""
+    return ValidationError.from_exception_data(
+        "JobSpec", [InitErrorDetails(type=PydanticCustomError(kind, message), loc=(field,), input=value)]
+    )
+
+
 class JobSpec(BaseModel):
     """What a user asks for. Recorded in job.json; every knob that changes the output is here: the fields below, common
     to every kind, and the options of the job's kind (its KindOptions, shared/lifecycle/kind.py) in the same flat
@@ -98,21 +106,15 @@ class JobSpec(BaseModel):
             raise RuntimeError("no job kind is registered: import shared.lifecycle.kinds before reading a JobSpec")
         declared = KIND_OPTIONS.get(self.kind)
         if declared is None:
-            raise ValueError(f"kind {self.kind!r}: not one of {', '.join(sorted(KIND_OPTIONS))}")
+            raise _field_error("kind", self.kind, "unknown_kind", f"not one of {', '.join(sorted(KIND_OPTIONS))}")
         given = dict(self.model_extra or {})
         for name, value in list(given.items()):
             if name not in declared.model_fields and LEGACY_OPTION_DEFAULTS.get(name, ...) == value:
                 del given[name]  # an earlier version's job.json: another kind's option at its default
-        unknown = sorted(set(given) - set(declared.model_fields))
-        if unknown:
-            raise ValueError(f"{', '.join(unknown)}: not an option of jobs of kind {self.kind!r}")
-        try:
-            options = declared.model_validate(given)
-        except ValidationError as exc:
-            reasons = "; ".join(
-                f"{'.'.join(map(str, error['loc'])) or 'options'}: {error['msg']}" for error in exc.errors()
-            )
-            raise ValueError(f"{reasons} (kind {self.kind!r})") from None
+        for name in sorted(set(given) - set(declared.model_fields)):
+            raise _field_error(name, given[name], "extra_forbidden", f"not an option of jobs of kind {self.kind!r}")
+        # The kind's own errors name their option as the common fields' do (the API's 422 points at it).
+        options = declared.model_validate(given)
         # Recorded with their defaults, like the common fields: job.json says every knob that was in force.
         self.__pydantic_extra__ = options.model_dump()
         return self

@@ -54,7 +54,8 @@ def test_every_kind_plans_enqueues_and_resumes_through_one_frame(
     kind: str, tmp_path: Path, tiny_model_dir: Path, redis_url: str, storage: Storage
 ) -> None:
     sent: list = []
-    small_shards = {"shard_token_budget": 100, "conversations_per_shard": 2}  # each kind reads its own
+    # Small shards, each kind by its own option (an option of another kind is refused).
+    small_shards = {"extract": {"shard_token_budget": 100}, "regenerate": {"conversations_per_shard": 2}}[kind]
     job = submit(tmp_path, tiny_model_dir, redis_url, storage, sent, kind=kind, **small_shards)
     assert job.kind == kind and job.shards_total > 1
     assert sent == [(kind, job.job_id, k) for k in range(job.shards_total)]

@@ -73,10 +73,10 @@ def test_conversation_shards_keep_input_order() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        pytest.param({"then_extract": True}, "then_extract: not an option of jobs of kind", id="chain-on-extract"),
+        pytest.param({"then_extract": True}, r"then_extract\n  not an option of jobs of kind", id="chain-on-extract"),
         pytest.param(
             {"output_url": "/tmp/x.jsonl"},
-            "output_url: not an option of jobs of kind",
+            r"output_url\n  not an option of jobs of kind",
             id="output-on-extract",
         ),
         pytest.param({"kind": "regenerate", "top_k": 0}, "top_k must be -1", id="top-k-zero"),
