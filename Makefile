@@ -46,6 +46,20 @@ faults: install
 		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run \
 		tests/integration/test_audit.py::test_corrupted_samples_are_flagged_by_sample_and_defect
 
+# Chaos soak (tests/soak, not collected by pytest): jobs of both kinds submitted over SOAK_MINUTES while seeded random
+# faults hit the stack, then every job must end completed (or deleted) with a clean audit; resources at start and
+# end. Prints the tables and the seed (replay: SOAK_SEED=...), writes build/soak.json; logs in build/soak-run/logs.
+SOAK_MINUTES ?= 30
+SOAK_SEED ?= 1
+.PHONY: soak soak-short
+soak: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m tests.soak --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED)
+
+soak-short: install
+	$(EAGLE3) prepare-model smollm2 > /dev/null
+	$(PY) -m tests.soak --minutes 5 --drain-minutes 10 --seed $(SOAK_SEED)
+
 # Everything not marked slow (no real model, no stack of processes): the loop while editing.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" --durations=10

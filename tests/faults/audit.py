@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from shared.lifecycle.jobs import load_job
-from shared.lifecycle.schemas import Manifest
+from shared.lifecycle.schemas import ConversationResult, Manifest, RegenerationManifest
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 
@@ -76,6 +76,67 @@ def audit_job(storage: Storage, job_id: str) -> Audit:
             if len(data) != sample.bytes or hashlib.sha256(data).hexdigest() != sample.sha256:
                 torn.append(f"{sample.key} ({len(data)} bytes, manifest says {sample.bytes})")
     stray = sorted(k for k in keys - named if not _OWN_FILES.fullmatch(k.removeprefix(f"{job_id}/")))
+    return Audit(
+        job_id=job_id,
+        samples_expected=len(expected),
+        committed_once=sum(1 for i in expected if entries[i] == 1),
+        duplicated=sum(1 for i in expected if entries[i] > 1),
+        lost=sum(1 for i in expected if entries[i] == 0),
+        torn=torn,
+        stray=stray,
+    )
+
+
+# A regenerate job's own files besides its manifests and the conversation records and shard outputs they name.
+_OWN_REGENERATE_FILES = re.compile(
+    r"(job\.json|rejected\.jsonl|cancelled|inputs/shard_\d{6}\.json|tokenizer/.+|regenerated\.jsonl|failed\.jsonl"
+    r"|regeneration\.json)"
+)
+
+
+def audit_regenerate_job(storage: Storage, job_id: str) -> Audit:
+    """`audit_job` for a regenerate job (docs/regeneration.md): every input conversation in exactly one manifest
+    entry; every entry's conversation record present and about that conversation, every shard output matching its
+    manifest's size and sha256, and the assembled dataset (once written) the shard outputs in shard order, else
+    `torn`; nothing else under the job but its own files (`stray`)."""
+    job = load_job(storage, job_id)
+    expected: set[int] = set()
+    for shard_index in range(job.shards_total):
+        shard = json.loads(storage.get(layout.shard_input(job_id, shard_index)))
+        expected.update(c["sample_index"] for c in shard["conversations"])
+
+    keys = set(storage.list(f"{job_id}/"))
+    manifest_keys = sorted(k for k in keys if k.startswith(layout.manifests_prefix(job_id)))
+    entries: Counter[int] = Counter()
+    named: set[str] = set(manifest_keys)
+    torn: list[str] = []
+    outputs: list[tuple[int, bytes]] = []
+    for key in manifest_keys:
+        manifest = RegenerationManifest.model_validate_json(storage.get(key))
+        named.add(manifest.output_key)
+        try:
+            data = storage.get(manifest.output_key)
+        except ObjectNotFound:
+            torn.append(f"{manifest.output_key} (missing)")
+        else:
+            if len(data) != manifest.bytes or hashlib.sha256(data).hexdigest() != manifest.sha256:
+                torn.append(f"{manifest.output_key} ({len(data)} bytes, manifest says {manifest.bytes})")
+            outputs.append((manifest.shard_index, data))
+        for entry in manifest.conversations:
+            entries[entry.sample_index] += 1
+            named.add(entry.key)
+            try:
+                record = ConversationResult.model_validate_json(storage.get(entry.key))
+            except ObjectNotFound:
+                torn.append(f"{entry.key} (missing)")
+                continue
+            if record.sample_index != entry.sample_index:
+                torn.append(f"{entry.key} (conversation {record.sample_index}, manifest says {entry.sample_index})")
+    assembled = layout.regenerated_dataset(job_id)
+    whole = assembled in keys and len(outputs) == job.shards_total
+    if whole and storage.get(assembled) != b"".join(data for _, data in sorted(outputs)):
+        torn.append(f"{assembled} (not the shard outputs in order)")
+    stray = sorted(k for k in keys - named if not _OWN_REGENERATE_FILES.fullmatch(k.removeprefix(f"{job_id}/")))
     return Audit(
         job_id=job_id,
         samples_expected=len(expected),
