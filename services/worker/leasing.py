@@ -33,6 +33,7 @@ from celery import bootsteps, signals
 from celery.exceptions import Retry
 from celery.worker.request import Request
 
+from shared.errors import JobNotFound
 from shared.lifecycle import leases, recovery
 from shared.lifecycle.queue import ShardSender
 from shared.settings import get_settings
@@ -59,8 +60,9 @@ class LeasedRequest(Request):
     def on_failure(self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False) -> None:
         # (Celery's generated request class overrides on_success, not this.) A retry's message carries the shard,
         # and its delivery takes the lease; any other failure is settled only by what storage holds.
+        # A job that no longer exists (deleted while the message waited) is settled too: nothing will ever run it.
         exc = exc_info.exception
-        self.settled = isinstance(exc.exc if isinstance(exc, ExceptionWithTraceback) else exc, Retry)
+        self.settled = isinstance(exc.exc if isinstance(exc, ExceptionWithTraceback) else exc, (Retry, JobNotFound))
         super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
 
     def acknowledge(self) -> None:

@@ -261,7 +261,25 @@ def _requeue(
     # Even a finished shard's message goes back if the broker still holds it: a run of a committed shard only
     # counts it (a worker can die between commit and count) and acknowledges it, instead of hours later.
     restored = restore(lease)
-    if finished or progress.is_cancelled(client, lease.job_id):
+    if not storage.exists(layout.job_json(lease.job_id)):
+        return False  # deleted (job.json goes last of its objects): a run would only find it gone
+    if finished:
+        committed = storage.exists(layout.manifest(lease.job_id, lease.shard_index))
+        if (
+            committed
+            and not restored
+            and not client.sismember(progress.committed_key(lease.job_id), str(lease.shard_index))
+        ):
+            # Committed while Redis was away for longer than a worker waits, and its message given up meanwhile:
+            # nothing else would count it. A run of it only counts it.
+            resend(lease)
+            logger.warning(
+                "shard %d of job %s: committed but not counted, sent again to be counted",
+                lease.shard_index,
+                lease.job_id,
+            )
+        return False
+    if progress.is_cancelled(client, lease.job_id):
         return False
     if not restored:
         resend(lease)

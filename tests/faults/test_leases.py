@@ -76,8 +76,10 @@ def test_a_handed_back_lease_expires_now_unless_a_newer_delivery_owns_it(client:
 
 def test_reap_requeues_only_unfinished_shards_and_counts_reruns(client: redis.Redis, tmp_path: Path) -> None:
     storage = open_storage(tmp_path.as_uri())
+    storage.put(layout.job_json("job-a"), b"{}")
     client.hset(progress.job_key("job-a"), mapping={"shards_total": 3})
-    storage.put(layout.manifest("job-a", 1), b"{}")  # shard 1 is committed: its lease expiring changes nothing
+    storage.put(layout.manifest("job-a", 1), b"{}")  # shard 1 is committed and counted: its lease expiring changes
+    client.sadd(progress.committed_key("job-a"), 1)  # nothing
     for shard_index in (0, 1, 2):
         leases.acquire(client, lease(shard_index, tag=f"t{shard_index}"), lease_s=0.1)
     time.sleep(0.3)
@@ -93,6 +95,38 @@ def test_reap_requeues_only_unfinished_shards_and_counts_reruns(client: redis.Re
     assert sorted(restored) == [0, 1, 2] and resent == [2]
     assert client.hget(progress.job_key("job-a"), leases.RERUN_FIELD) == b"2"
     assert leases.held(client) == []
+
+
+def test_a_shard_committed_while_redis_was_away_is_sent_again_to_be_counted(
+    client: redis.Redis, tmp_path: Path
+) -> None:
+    """Its manifest landed, Redis was down longer than the worker waits, the worker gave its message up: the reaper
+    sends it again (a run of a committed shard only counts it); counted, or with its message restored, it does not."""
+    storage = open_storage(tmp_path.as_uri())
+    storage.put(layout.job_json("job-a"), b"{}")
+    for shard_index in (0, 1, 2):
+        storage.put(layout.manifest("job-a", shard_index), b"{}")
+        leases.acquire(client, lease(shard_index, tag=f"t{shard_index}"), lease_s=0.1)
+    client.sadd(progress.committed_key("job-a"), 1)
+    time.sleep(0.3)
+    resent: list[int] = []
+    requeued = leases.reap(
+        client,
+        storage,
+        restore=lambda lease: lease.delivery_tag == "t2",
+        resend=lambda lease: resent.append(lease.shard_index),
+    )
+    assert requeued == [] and resent == [0]  # 1 is counted; 2's message went back to the queue, which counts it
+    assert client.hget(progress.job_key("job-a"), leases.RERUN_FIELD) is None
+
+
+def test_the_shards_of_a_deleted_job_are_not_sent_again(client: redis.Redis, tmp_path: Path) -> None:
+    storage = open_storage(tmp_path.as_uri())  # no job.json: the job was deleted while its shards waited
+    leases.acquire(client, lease(0, tag="t0"), lease_s=0.1)
+    time.sleep(0.3)
+    resent: list[int] = []
+    assert leases.reap(client, storage, restore=lambda lease: False, resend=lambda lease: resent.append(0)) == []
+    assert resent == [] and leases.held(client) == []
 
 
 def test_a_failed_reap_puts_the_lease_back(client: redis.Redis, tmp_path: Path) -> None:
