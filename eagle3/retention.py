@@ -9,6 +9,7 @@ from rich.console import Console
 
 from eagle3.api import api_client, check, list_progress
 from shared.settings import Settings
+from shared.sizes import human_bytes
 
 console = Console()
 
@@ -37,13 +38,8 @@ def parse_size(text: str) -> int | None:
 
 
 def human_size(n: int | None) -> str:
-    """Bytes in the largest unit that keeps them above one (decimal units, like the budgets)."""
-    if n is None:
-        return "unlimited"
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    """A size or a budget: decimal units, or unlimited."""
+    return "unlimited" if n is None else human_bytes(n)
 
 
 def delete_one(api: httpx.Client, job_id: str, args: argparse.Namespace) -> None:

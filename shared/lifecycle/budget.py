@@ -28,6 +28,7 @@ from shared.lifecycle import progress
 from shared.lifecycle.schemas import JobRecord
 from shared.redis_replies import members, text
 from shared.settings import Settings
+from shared.sizes import human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,6 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[2], ARGV[1], wanted)
 return {1}
 """
-
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
 def store_budget(client: redis.Redis, settings: Settings) -> int | None:
@@ -180,9 +177,9 @@ def reserve(client: redis.Redis, settings: Settings, job: JobRecord, shard_index
     assert budget is not None  # only a budget that applies is crossed
     scope = "stored in all" if which == "store" else "stored by the job"
     raise OverStorageBudget(
-        f"job {job.job_id} shard {shard_index} needs about {_size(nbytes)}, over the {name} of {_size(budget)}: "
-        f"{_size(stored)} {scope}, {_size(reserved)} reserved by running shards; it goes on once a delete makes room "
-        "or the budget is raised (`eagle3 budget`)"
+        f"job {job.job_id} shard {shard_index} needs about {human_bytes(nbytes)}, over the {name} of "
+        f"{human_bytes(budget)}: {human_bytes(stored)} {scope}, {human_bytes(reserved)} reserved by running shards; "
+        "it goes on once a delete makes room or the budget is raised (`eagle3 budget`)"
     )
 
 

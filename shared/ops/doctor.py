@@ -43,6 +43,7 @@ from shared.lifecycle.kinds.extract import bytes_per_token
 from shared.lifecycle.schemas import JobSpec
 from shared.ops import cluster
 from shared.settings import Settings
+from shared.sizes import human_bytes
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
 
@@ -202,7 +203,7 @@ def check_budget(dataset_url: str | None, target: Target, settings: Settings) ->
         how = f"{tokens * len(lines) / sampled:,.0f} tokens" + (
             f" (from {sampled:,} of {len(lines):,} lines)" if sampled < len(lines) else ""
         )
-        detail = f"{dataset_url}: about {how} x {per_token:,} bytes/token = {_size(projected)}"
+        detail = f"{dataset_url}: about {how} x {per_token:,} bytes/token = {human_bytes(projected)}"
         limits = []
         if settings.storage_budget_bytes is not None:
             limits.append(("budget", settings.storage_budget_bytes))
@@ -210,7 +211,7 @@ def check_budget(dataset_url: str | None, target: Target, settings: Settings) ->
         if free is not None:
             limits.append(("free disk", free))
         for name, limit in limits:
-            detail += f"; {name} {_size(limit)}, headroom {_size(limit - projected)}"
+            detail += f"; {name} {human_bytes(limit)}, headroom {human_bytes(limit - projected)}"
         if any(projected > limit for _, limit in limits):
             return "fail", detail
         return ("pass" if limits else "warn"), detail + (
@@ -285,7 +286,7 @@ def check_end_to_end(
                 if outcome.status != "committed":
                     return "fail", f"shard {planned[0]}: {outcome.status}"
                 return "pass", (
-                    f"captured, validated and committed {outcome.num_tokens} tokens ({_size(outcome.bytes)}) to "
+                    f"captured, validated and committed {outcome.num_tokens} tokens ({human_bytes(outcome.bytes)}) to "
                     f"{storage.url.rstrip('/')}/{job_id}/ in {outcome.seconds:.1f}s"
                 )
 
@@ -369,12 +370,3 @@ def _redacted(url: str) -> str:
     if parsed.password:
         return url.replace(f":{parsed.password}@", ":***@")
     return url
-
-
-def _size(n: float) -> str:
-    """Decimal units, as the dashboard shows them."""
-    units = ("B", "kB", "MB", "GB", "TB")
-    scale = 0
-    while abs(n) >= 1000 and scale < len(units) - 1:
-        n, scale = n / 1000, scale + 1
-    return f"{n:,.0f} B" if scale == 0 else f"{n:,.2f} {units[scale]}"
