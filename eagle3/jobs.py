@@ -187,7 +187,8 @@ def kind_options(kind: str) -> dict[str, FieldInfo]:
 
 
 def add_kind_options(parser: argparse.ArgumentParser, kind: str) -> None:
-    add_spec_options(parser, tuple(kind_options(kind)), kind_options(kind))
+    fields = kind_options(kind)
+    add_spec_options(parser, tuple(fields), fields)
 
 
 def spec_of(args: argparse.Namespace, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:

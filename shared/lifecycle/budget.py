@@ -26,7 +26,7 @@ import redis
 from shared.errors import OverBudget, OverStorageBudget
 from shared.lifecycle import progress
 from shared.lifecycle.schemas import JobRecord
-from shared.redis_replies import members, text
+from shared.redis_replies import text
 from shared.settings import Settings
 from shared.sizes import human_bytes
 
@@ -102,15 +102,10 @@ def set_job_budget(client: redis.Redis, job_id: str, budget_bytes: int | None) -
     client.hset(progress.job_key(job_id), JOB_BUDGET_FIELD, UNLIMITED if budget_bytes is None else budget_bytes)
 
 
-def all_job_ids(client: redis.Redis) -> list[str]:
-    """Every job Redis knows, oldest first (progress.list_jobs shows the newest hundred)."""
-    return [text(j) for j in members(client.zrange(progress.JOBS_INDEX, 0, -1))]
-
-
 def stored_bytes(client: redis.Redis) -> int:
     """Every job's measured bytes (its committed manifests), as Redis counts them."""
     with client.pipeline() as pipe:
-        for job_id in all_job_ids(client):
+        for job_id in progress.all_job_ids(client):
             pipe.hget(progress.job_key(job_id), "bytes_stored")
         return sum(int(v) for v in pipe.execute() if v is not None)
 
@@ -155,7 +150,7 @@ def reserve(client: redis.Redis, settings: Settings, job: JobRecord, shard_index
     store, own = store_budget(client, settings), job_budget(client, job)
     if store is None and own is None:
         return False
-    job_hashes = [progress.job_key(job_id) for job_id in all_job_ids(client)]
+    job_hashes = [progress.job_key(job_id) for job_id in progress.all_job_ids(client)]
     reply = client.eval(
         _RESERVE,
         3 + len(job_hashes),

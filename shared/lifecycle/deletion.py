@@ -209,11 +209,11 @@ def expired_jobs(client: redis.Redis, max_age_s: float, *, now: float | None = N
     """Finished jobs (completed, with errors, or cancelled) that finished more than max_age_s ago, oldest first."""
     now = time.time() if now is None else now
     found = []
-    for job_id in budget.all_job_ids(client):
+    for job_id in progress.all_job_ids(client):
         try:
             p = progress.job_progress(client, job_id)
-            if p.state in FINISHED_STATES and now - finished_at(client, p) > max_age_s:
-                found.append((finished_at(client, p), p))
+            if p.state in FINISHED_STATES and now - (ended := finished_at(client, p)) > max_age_s:
+                found.append((ended, p))
         except JobNotFound:
             continue  # deleted between the listing and the read
     return [p for _, p in sorted(found, key=lambda pair: pair[0])]
@@ -223,7 +223,7 @@ def trim_finished_events(client: redis.Redis) -> list[str]:
     """Bound the shard events of every finished job no trainer follows to its newest FINISHED_EVENTS_KEPT; returns the
     jobs trimmed. A regenerate job counts as finished once its output is assembled (its state says so)."""
     trimmed = []
-    for job_id in budget.all_job_ids(client):
+    for job_id in progress.all_job_ids(client):
         try:
             finished = progress.job_progress(client, job_id).state in FINISHED_STATES
         except JobNotFound:

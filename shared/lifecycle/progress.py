@@ -267,6 +267,11 @@ def list_jobs(client: redis.Redis, limit: int = 100) -> list[str]:
     return [text(j) for j in members(client.zrevrange(JOBS_INDEX, 0, limit - 1))]
 
 
+def all_job_ids(client: redis.Redis) -> list[str]:
+    """Every job Redis knows, oldest first (list_jobs shows the newest hundred)."""
+    return [text(j) for j in members(client.zrange(JOBS_INDEX, 0, -1))]
+
+
 class _CommittedShard(BaseModel):
     """What counting needs of a manifest of either kind."""
 
