@@ -8,13 +8,14 @@
 """
 
 import hashlib
-import json
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from shared.lifecycle.jobs import load_job
-from shared.lifecycle.schemas import ConversationResult, Manifest, RegenerationManifest
+from shared.lifecycle.kind import read_shard_input
+from shared.lifecycle.kinds import KINDS
+from shared.lifecycle.schemas import ConversationResult, JobRecord, Manifest, RegenerationManifest
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 
@@ -51,15 +52,22 @@ class Audit:
         )
 
 
-def audit_job(storage: Storage, job_id: str) -> Audit:
+def _planned(storage: Storage, job_id: str) -> tuple[JobRecord, set[int], set[str], list[str]]:
+    """A job's record, the sample indices its shards were planned with (as its kind reads a shard input), every key
+    under the job and its manifests' keys, in order."""
     job = load_job(storage, job_id)
-    expected: set[int] = set()
-    for shard_index in range(job.shards_total):
-        shard = json.loads(storage.get(layout.shard_input(job_id, shard_index)))
-        expected.update(s["sample_index"] for s in shard["samples"])
-
+    kind = KINDS[job.kind]
+    expected = {
+        item.sample_index
+        for shard_index in range(job.shards_total)
+        for item in kind.items(read_shard_input(kind, storage, job_id, shard_index))
+    }
     keys = set(storage.list(f"{job_id}/"))
-    manifest_keys = sorted(k for k in keys if k.startswith(layout.manifests_prefix(job_id)))
+    return job, expected, keys, sorted(k for k in keys if k.startswith(layout.manifests_prefix(job_id)))
+
+
+def audit_job(storage: Storage, job_id: str) -> Audit:
+    _, expected, keys, manifest_keys = _planned(storage, job_id)
     entries: Counter[int] = Counter()
     named: set[str] = set(manifest_keys)
     torn: list[str] = []
@@ -99,14 +107,7 @@ def audit_regenerate_job(storage: Storage, job_id: str) -> Audit:
     entry; every entry's conversation record present and about that conversation, every shard output matching its
     manifest's size and sha256, and the assembled dataset (once written) the shard outputs in shard order, else
     `torn`; nothing else under the job but its own files (`stray`)."""
-    job = load_job(storage, job_id)
-    expected: set[int] = set()
-    for shard_index in range(job.shards_total):
-        shard = json.loads(storage.get(layout.shard_input(job_id, shard_index)))
-        expected.update(c["sample_index"] for c in shard["conversations"])
-
-    keys = set(storage.list(f"{job_id}/"))
-    manifest_keys = sorted(k for k in keys if k.startswith(layout.manifests_prefix(job_id)))
+    job, expected, keys, manifest_keys = _planned(storage, job_id)
     entries: Counter[int] = Counter()
     named: set[str] = set(manifest_keys)
     torn: list[str] = []
