@@ -7,7 +7,8 @@
   create-only and count it once -> dead letter when it fails for good.
 
 A kind says which options a job of it takes beside the common ones (`options`: the fields of JobSpec that only it
-reads, validated at submit and whenever job.json is read), what a shard input is (`plan`, `input_type`), what
+reads, validated at submit and whenever job.json is read), what it records in job.json beside the common fields
+(`record`, checked the same way), what a shard input is (`plan`, `input_type`), what
 processing a shard means (`process`), what its committed output is (`manifest_type`), which counters of its own that
 output adds to the job's progress (`counters`), whether the job needs one more step after its last shard before it is
 complete (`finalizes`) and which job a drafter trains on (`training_job`). Adding a kind is one new module in
@@ -25,6 +26,7 @@ from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import redis
 from pydantic import BaseModel, ConfigDict
+from redis.typing import EncodableT, FieldT
 
 from shared.capture.protocol import ModelInfo, default_aux_layer_ids
 from shared.data.datasets import Conversation
@@ -54,6 +56,19 @@ class KindOptions(BaseModel):
     def of(cls, spec: JobSpec) -> Self:
         """This kind's options of a spec (JobSpec checked them when it was built)."""
         return cls.model_validate(spec.model_extra or {})
+
+
+class KindRecord(BaseModel):
+    """What a job kind records in job.json beside JobRecord's common fields, at submit: a kind subclasses this with its
+    own fields (its plan's `record` gives them). A key no field of the job's kind names is refused when job.json is
+    read, so that nothing a kind wrote is dropped without a word."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def of(cls, job: JobRecord) -> Self:
+        """This kind's fields of a job's record (JobRecord checked them when it was read)."""
+        return cls.model_validate(job.model_extra or {})
 
 
 @dataclass
@@ -116,16 +131,18 @@ class JobPlan(Generic[InputT]):
     tokens_total: int
     bytes_per_token: int
     projected_bytes: int
-    record: dict[str, Any] = field(default_factory=dict)  # further JobRecord fields of this kind
+    record: dict[str, Any] = field(default_factory=dict)  # JobRecord's fields as this kind fills them, its own too
     files: dict[str, bytes] = field(default_factory=dict)  # storage key -> bytes, written before job.json
 
 
 class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     name: ClassVar[str]  # JobSpec.kind
     # Declared by every kind (the registry checks): its options beside JobSpec's common fields (KindOptions itself for
-    # none), and whether a job of it runs a last step after its final shard (progress keeps it `running` until the
-    # kind records `finalized`, or the error that stopped it).
+    # none), its own fields of job.json beside JobRecord's (KindRecord itself for none), and whether a job of it runs a
+    # last step after its final shard (progress keeps it `running` until the kind records `finalized`, or the error
+    # that stopped it).
     options: ClassVar[type[KindOptions]]
+    record: ClassVar[type[KindRecord]]
     finalizes: ClassVar[bool]
     # Each kind's class sets these two, like the class variables here; they are not annotated ClassVar only because
     # a ClassVar cannot hold a type variable, and this way a shard input read back is an InputT, a manifest a ManifestT.
@@ -139,7 +156,7 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     # items itself (select), from what is already in storage.
     reads_dataset: ClassVar[bool] = True
 
-    DECLARATIONS: ClassVar[tuple[str, ...]] = ("name", "input_type", "manifest_type", "options", "finalizes")
+    DECLARATIONS: ClassVar[tuple[str, ...]] = ("name", "input_type", "manifest_type", "options", "record", "finalizes")
 
     @property
     def task_name(self) -> str:
@@ -167,6 +184,20 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     @abstractmethod
     def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[Any]) -> JobPlan[InputT]:
         """The shards of a job and what its job.json records."""
+
+    # ---- progress -------------------------------------------------------------------------------------------
+
+    def progress_fields(self, job: JobRecord) -> dict[FieldT, EncodableT]:
+        """What this kind's part of the progress (`progress`) reads from the job's Redis hash beside the counters,
+        written there when the job is registered."""
+        return {}
+
+    def progress(
+        self, number: Mapping[str, int], fields: Mapping[str, str], finished: bool
+    ) -> tuple[int, dict[str, Any]]:
+        """This kind's part of a job's progress, from the job's Redis hash (its numbers, and every field as text):
+        the job's tokens total (the plan's, unless the kind projects another) and its own fields of Progress."""
+        return number["tokens_total"], {}
 
     # ---- one shard (a worker) ---------------------------------------------------------------------------------
 

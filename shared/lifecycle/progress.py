@@ -9,8 +9,8 @@ can recompute from storage at any time. Beside the counters here, a job kind may
 import logging
 import math
 import time
-from collections.abc import Mapping
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import redis
 from pydantic import BaseModel
@@ -26,7 +26,6 @@ from shared.lifecycle.schemas import (
     Manifest,
     Progress,
     RegenerationManifest,
-    RegenerationProgress,
 )
 from shared.redis_replies import members, stream_entries, text, text_hash
 from shared.storage import layout
@@ -51,8 +50,6 @@ _TEXT_FIELDS = (
     "created_ts",
     "kind",
     "counter_names",
-    "chained_job_id",
-    "output_key",
     "finalize_error",
     "paused_reason",
 )
@@ -71,6 +68,15 @@ class CountedKind(Protocol):
     def finalizes(self) -> bool: ...  # likewise
 
     def dead_shard_size(self, storage: Storage, job_id: str, shard_index: int) -> tuple[int, int]: ...
+
+    def progress_fields(self, job: JobRecord) -> dict[FieldT, EncodableT]: ...
+
+
+# A job kind's part of its jobs' progress (JobKind.progress), by kind name, filled by the registry (shared/lifecycle/
+# kinds) like JobSpec's options: from the job hash's numbers and text and whether the job has finished, its tokens
+# total and its own fields of Progress.
+KindProgress = Callable[[Mapping[str, int], Mapping[str, str], bool], tuple[int, dict[str, Any]]]
+KIND_PROGRESS: dict[str, KindProgress] = {}
 
 
 REDIS_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
@@ -160,12 +166,6 @@ def _keys(job_id: str) -> list[str]:
 def register_job(client: redis.Redis, job: JobRecord, storage_url: str, kind: CountedKind) -> None:
     """The job's hash (its plan's numbers, every counter at zero, its kind's too) and its entry in the job list."""
     created = time.time()
-    regeneration: dict[FieldT, EncodableT] = {}
-    if job.regeneration is not None:
-        regeneration = {
-            "max_generated_tokens": job.regeneration.max_generated_tokens,
-            "output_key": job.regeneration.output_key,
-        }
     with client.pipeline() as pipe:
         pipe.hset(
             job_key(job.job_id),
@@ -173,7 +173,7 @@ def register_job(client: redis.Redis, job: JobRecord, storage_url: str, kind: Co
                 "kind": job.kind,
                 "finalizes": int(kind.finalizes),
                 "counter_names": ",".join(kind.counters),  # which fields job_progress reports as the kind's
-                **regeneration,
+                **kind.progress_fields(job),
                 **{name: 0 for name in kind.counters},
                 "storage_url": storage_url,
                 "created_ts": created,
@@ -354,7 +354,8 @@ def job_progress(
     client: redis.Redis, job_id: str, *, window_s: float = 60.0, budget_bytes: int | None = None
 ) -> Progress:
     fields = require_job(client, job_id)
-    number = {k: int(float(v)) for k, v in fields.items() if k not in _TEXT_FIELDS}
+    # Every other field is a number, but those a kind keeps as text for its part (progress_fields).
+    number = {k: n for k, v in fields.items() if k not in _TEXT_FIELDS and (n := _number(v)) is not None}
     kind = fields.get("kind", "extract")  # register_job wrote a JobRecord's kind
     # What the job's kind declared when the job was registered; a job registered before kinds declared it: the one
     # kind that finalized then.
@@ -389,22 +390,10 @@ def job_progress(
         state = "queued"
     finished = state not in ("running", "queued", "paused")
     tokens_done = number["tokens_done"]
-    tokens_total = number["tokens_total"]
-    regeneration = None
-    if kind == "regenerate":
-        tokens_total = _projected_generated_tokens(number, finished=finished)
-        # Its counts are the regenerate kind's counters, fields of the job's hash like every counter: the model
-        # takes the ones it declares.
-        regeneration = RegenerationProgress.model_validate(
-            number
-            | {
-                "max_generated_tokens": number.get("max_generated_tokens", number["tokens_total"]),
-                "finalized": bool(number.get("finalized")),
-                "output_key": fields.get("output_key"),
-                "chained_job_id": fields.get("chained_job_id"),
-                "error": fields.get("finalize_error"),
-            }
-        )
+    kind_progress = KIND_PROGRESS.get(kind)
+    if kind_progress is None:
+        raise RuntimeError(f"job kind {kind!r} is not registered: import shared.lifecycle.kinds before progress")
+    tokens_total, kind_fields = kind_progress(number, fields, finished)
     bytes_per_token = (
         number["bytes_stored"] / tokens_done if tokens_done else number["projected_bytes"] / max(tokens_total, 1)
     )
@@ -437,25 +426,13 @@ def job_progress(
         created_at=fields["created_at"],
         kind=kind,
         counters=counters,
-        regeneration=regeneration,
+        **kind_fields,
         paused_reason=fields.get("paused_reason") if state == "paused" else None,
     )
 
 
-def _projected_generated_tokens(number: dict[str, int], *, finished: bool) -> int:
-    """A regenerate job's total generated tokens: what the conversations done so far generated on average, times
-    all of them, at most assistant turns x max_new_tokens (the planned tokens_total); exact once finished."""
-    done, upper = number["tokens_done"], number["tokens_total"]
-    if finished:
-        return done
-    conversations_done = number["samples_done"] + number.get("conversations_failed", 0)
-    if conversations_done == 0:
-        return upper
-    remaining = max(number["samples_total"] - conversations_done - _dead_conversations(number), 0)
-    per_conversation = done / conversations_done
-    return min(upper, round(done + per_conversation * remaining))
-
-
-def _dead_conversations(number: dict[str, int]) -> int:
-    # samples_failed holds the failed conversations of committed shards plus every conversation of a dead shard.
-    return number["samples_failed"] - number.get("conversations_failed", 0)
+def _number(value: str) -> int | None:
+    try:
+        return int(float(value))
+    except (ValueError, OverflowError):
+        return None

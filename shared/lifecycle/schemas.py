@@ -50,16 +50,35 @@ LEGACY_OPTION_DEFAULTS: dict[str, Any] = {
 }
 
 
-# Each registered job kind's options (KindOptions), by kind name: filled by the registry (shared/lifecycle/kinds), which
-# builds on these schemas, when it is imported; JobSpec checks a spec's kind and options against it.
+# What job.json held for every kind in earlier versions and now only the kind that has it records: read and dropped at
+# this value when the job's kind declares no such field.
+LEGACY_RECORD_DEFAULTS: dict[str, Any] = {"regeneration": None}
+
+
+# Each registered job kind's options (KindOptions) and its own job.json fields (KindRecord), by kind name: filled by the
+# registry (shared/lifecycle/kinds), which builds on these schemas, when it is imported; JobSpec checks a spec's kind
+# and options against the first, JobRecord a record's own fields against the second.
 KIND_OPTIONS: dict[str, type[BaseModel]] = {}
+KIND_RECORDS: dict[str, type[BaseModel]] = {}
 
 
-def _field_error(field: str, value: Any, kind: str, message: str) -> ValidationError:
-    """A validation error of one field of a JobSpec, located at it like pydantic's own."""
+def _field_error(model: str, field: str, value: Any, kind: str, message: str) -> ValidationError:
+    """A validation error of one field of a model, located at it like pydantic's own."""
     return ValidationError.from_exception_data(
-        "JobSpec", [InitErrorDetails(type=PydanticCustomError(kind, message), loc=(field,), input=value)]
+        model, [InitErrorDetails(type=PydanticCustomError(kind, message), loc=(field,), input=value)]
     )
+
+
+def _kind_fields(
+    given: dict[str, Any], declared: type[BaseModel], legacy: dict[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """The extra keys of a spec or record that its kind's declaration names, without an earlier version's leftovers
+    (another kind's field at the value every job.json then held), and the keys it does not name."""
+    given = dict(given)
+    for name, value in list(given.items()):
+        if name not in declared.model_fields and legacy.get(name, ...) == value:
+            del given[name]
+    return given, sorted(set(given) - set(declared.model_fields))
 
 
 class JobSpec(BaseModel):
@@ -106,13 +125,12 @@ class JobSpec(BaseModel):
             raise RuntimeError("no job kind is registered: import shared.lifecycle.kinds before reading a JobSpec")
         declared = KIND_OPTIONS.get(self.kind)
         if declared is None:
-            raise _field_error("kind", self.kind, "unknown_kind", f"not one of {', '.join(sorted(KIND_OPTIONS))}")
-        given = dict(self.model_extra or {})
-        for name, value in list(given.items()):
-            if name not in declared.model_fields and LEGACY_OPTION_DEFAULTS.get(name, ...) == value:
-                del given[name]  # an earlier version's job.json: another kind's option at its default
-        for name in sorted(set(given) - set(declared.model_fields)):
-            raise _field_error(name, given[name], "extra_forbidden", f"not an option of jobs of kind {self.kind!r}")
+            known = ", ".join(sorted(KIND_OPTIONS))
+            raise _field_error("JobSpec", "kind", self.kind, "unknown_kind", f"not one of {known}")
+        given, unknown = _kind_fields(self.model_extra or {}, declared, LEGACY_OPTION_DEFAULTS)
+        for name in unknown:
+            message = f"not an option of jobs of kind {self.kind!r}"
+            raise _field_error("JobSpec", name, given[name], "extra_forbidden", message)
         # The kind's own errors name their option as the common fields' do (the API's 422 points at it).
         options = declared.model_validate(given)
         # Recorded with their defaults, like the common fields: job.json says every knob that was in force.
@@ -131,24 +149,13 @@ class ModelRecord(BaseModel):
     template_hash: str
 
 
-class RegenerationPlan(BaseModel):
-    """What a regenerate job will produce, recorded in its job.json at submit."""
-
-    model_config = JOB_JSON_CONFIG
-
-    assistant_turns_total: int
-    max_generated_tokens: int  # assistant turns x max_new_tokens: the upper bound of the work
-    sampling_params: dict[str, Any]  # what every /generate request carries (seed: per turn, derived)
-    output_key: str  # the assembled dataset, relative to the storage root
-    output_url: str | None = None
-    chained_job_id: str | None = None  # the extraction job submitted when all shards are committed
-    tokenizer_prefix: str  # the target's tokenizer and chat template, for the workers
-
-
 class JobRecord(BaseModel):
-    """job.json: written once at submit, read by workers and the trainer."""
+    """job.json: written once at submit, read by workers and the trainer. The fields below are every kind's; a kind
+    records its own beside them in the same object (its KindRecord, shared/lifecycle/kind.py), checked against that
+    declaration like a spec's options."""
 
-    model_config = JOB_JSON_CONFIG
+    # Extra keys are the kind's own fields: accepted only as far as its KindRecord declares them (checked below).
+    model_config = ConfigDict(extra="allow")
 
     job_id: str
     created_at: str
@@ -168,12 +175,22 @@ class JobRecord(BaseModel):
     draft_vocab_size: int
     vocab_coverage: float
     versions: dict[str, str]
-    regeneration: RegenerationPlan | None = None  # jobs of kind "regenerate" only
     provenance: Provenance | None = None  # what makes its hidden states comparable (shared/provenance.py)
 
     @property
     def kind(self) -> str:
         return self.spec.kind
+
+    @model_validator(mode="after")
+    def _check_kind_record(self) -> "JobRecord":
+        declared = KIND_RECORDS[self.kind]  # the spec named a registered kind
+        given, unknown = _kind_fields(self.model_extra or {}, declared, LEGACY_RECORD_DEFAULTS)
+        for name in unknown:
+            raise ValidationError.from_exception_data(
+                "JobRecord", [InitErrorDetails(type="extra_forbidden", loc=(name,), input=given[name])]
+            )
+        self.__pydantic_extra__ = declared.model_validate(given).model_dump()
+        return self
 
 
 class SampleInput(BaseModel):

@@ -211,7 +211,7 @@ def test_bad_input_is_rejected_with_the_extractions_rules_and_messages(setup: Se
 
 def test_regenerated_conversations_are_written_in_order_with_stats_and_the_chain_submitted(setup: Setup) -> None:
     job = setup.submit(conversations_per_shard=4, max_new_tokens=7, reasoning="drop", then_extract=True)
-    assert job.regeneration is not None and job.regeneration.chained_job_id == f"{job.job_id}-extract"
+    assert regeneration.RegenerateRecord.plan_of(job).chained_job_id == f"{job.job_id}-extract"
     assert setup.enqueued == [(job.job_id, 0), (job.job_id, 1)]
     assert job.tokens_total == 7 * 7  # seven assistant turns x max_new_tokens: the upper bound
     assert setup.storage.list(layout.tokenizer_prefix(job.job_id))  # the workers' copy of the chat template
@@ -466,8 +466,7 @@ def test_the_cli_submits_a_regenerate_job(
     )
     assert (
         job.spec.model_dump()["then_extract"]
-        and job.regeneration is not None
-        and job.regeneration.output_url == str(out)
+        and regeneration.RegenerateRecord.plan_of(job).output_url == str(out)
     )
     assert [kind for kind, _, _ in sent] == ["regenerate"] * job.shards_total
 

@@ -5,10 +5,11 @@ import json
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from shared.lifecycle.kind import JobKind, KindOptions
+from shared.lifecycle.kind import JobKind, KindOptions, KindRecord
 from shared.lifecycle.kinds import KINDS, registry
 from shared.lifecycle.kinds.extract import Extract
-from shared.lifecycle.schemas import LEGACY_OPTION_DEFAULTS, JobRecord, JobSpec, RegenerationPlan
+from shared.lifecycle.kinds.regenerate import RegenerateRecord, RegenerationPlan
+from shared.lifecycle.schemas import LEGACY_OPTION_DEFAULTS, JobRecord, JobSpec
 from tests.integration.test_progress import make_job
 
 # What each version added since the first job.json (commit 3cb05d1); nothing was ever removed or renamed.
@@ -18,22 +19,18 @@ ADDED_TO_THE_RECORD = ("provenance",)  # 81a51a2
 
 def job_json(**spec: object) -> dict:
     """A job.json as this version writes it."""
-    job = make_job(shards=1).model_copy(
-        update={
-            "spec": JobSpec(dataset_url="/x.jsonl", **spec),
-            "versions": {"eagle3": "0.1.0"},
-            "regeneration": RegenerationPlan(
-                assistant_turns_total=1,
-                max_generated_tokens=8,
-                sampling_params={"max_new_tokens": 8, "temperature": 0.0},
-                output_key="job-a/regenerated.jsonl",
-                tokenizer_prefix="job-a/tokenizer/",
-            )
-            if spec.get("kind") == "regenerate"
-            else None,
-        }
-    )
-    return json.loads(job.model_dump_json())
+    job = make_job(shards=1).model_copy(update={"spec": JobSpec(dataset_url="/x.jsonl", **spec)})
+    written = json.loads(job.model_dump_json()) | {"versions": {"eagle3": "0.1.0"}}
+    if spec.get("kind") == "regenerate":  # the regenerate kind's own field (its KindRecord)
+        plan = RegenerationPlan(
+            assistant_turns_total=1,
+            max_generated_tokens=8,
+            sampling_params={"max_new_tokens": 8, "temperature": 0.0},
+            output_key="job-a/regenerated.jsonl",
+            tokenizer_prefix="job-a/tokenizer/",
+        )
+        written["regeneration"] = plan.model_dump()
+    return written
 
 
 @pytest.mark.parametrize("kind", ["extract", "regenerate"])
@@ -68,7 +65,23 @@ def test_a_job_json_of_the_flat_spec_still_reads(kind: str) -> None:
 
 def test_this_versions_job_json_reads_back_whole() -> None:
     written = job_json(kind="regenerate", then_extract=True, seed=3)
-    assert json.loads(JobRecord.model_validate(written).model_dump_json()) == written
+    job = JobRecord.model_validate(written)
+    assert json.loads(job.model_dump_json()) == written
+    assert RegenerateRecord.plan_of(job).max_generated_tokens == 8  # the kind reads its own fields typed
+
+
+def test_a_kinds_own_record_fields_are_its_alone() -> None:
+    """Every job.json of earlier versions held `regeneration` (null but for regenerate jobs): it still reads; now only
+    the kind that declares the field may hold it, and that kind must."""
+    extract = job_json(kind="extract")
+    assert "regeneration" not in extract
+    assert JobRecord.model_validate(extract | {"regeneration": None}).model_extra == {}
+    with pytest.raises(ValidationError, match=r"regeneration\n  Extra inputs are not permitted"):
+        JobRecord.model_validate(extract | {"regeneration": job_json(kind="regenerate")["regeneration"]})
+    regenerate = job_json(kind="regenerate")
+    del regenerate["regeneration"]
+    with pytest.raises(ValidationError, match=r"regeneration\n  Field required"):
+        JobRecord.model_validate(regenerate)
 
 
 @pytest.mark.parametrize(
@@ -120,6 +133,7 @@ def test_every_kind_in_the_registry_is_declared_whole() -> None:
     for name, kind in KINDS.items():
         assert kind.name == name
         assert issubclass(kind.options, KindOptions) and isinstance(kind.finalizes, bool)
+        assert issubclass(kind.record, KindRecord)
         assert issubclass(kind.input_type, BaseModel) and issubclass(kind.manifest_type, BaseModel)
         assert all(isinstance(counter, str) and help_text for counter, help_text in kind.counters.items())
         if "counters" not in kind.manifest_type.model_fields:
@@ -132,7 +146,7 @@ def test_a_kind_without_its_declarations_is_refused_when_registered() -> None:
 
         open = prepare = items = item_key = reuse = process = plan
 
-    with pytest.raises(TypeError, match="Summarize does not declare name, input_type, manifest_type, options, final"):
+    with pytest.raises(TypeError, match="Summarize does not declare name, input_type, manifest_type, options, record, fin"):
         registry([Summarize()])
     with pytest.raises(TypeError, match="job kind 'extract' is declared twice"):
         registry([Extract(), Extract()])

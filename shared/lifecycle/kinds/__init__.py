@@ -7,7 +7,8 @@ from shared.lifecycle.kind import JobKind
 from shared.lifecycle.kinds.audit import Audit
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.kinds.regenerate import Regenerate
-from shared.lifecycle.schemas import KIND_OPTIONS
+from shared.lifecycle.progress import KIND_PROGRESS
+from shared.lifecycle.schemas import KIND_OPTIONS, KIND_RECORDS
 
 
 def registry(kinds: Iterable[JobKind]) -> dict[str, JobKind]:
@@ -26,9 +27,14 @@ def registry(kinds: Iterable[JobKind]) -> dict[str, JobKind]:
 
 
 def register(kinds: dict[str, JobKind]) -> None:
-    """Make the kinds the ones a JobSpec names, with their options."""
+    """Make the kinds the ones a JobSpec names, with their options; a JobRecord's kind fields and a job's progress
+    theirs."""
     KIND_OPTIONS.clear()
     KIND_OPTIONS.update({name: kind.options for name, kind in kinds.items()})
+    KIND_RECORDS.clear()
+    KIND_RECORDS.update({name: kind.record for name, kind in kinds.items()})
+    KIND_PROGRESS.clear()
+    KIND_PROGRESS.update({name: kind.progress for name, kind in kinds.items()})
 
 
 AUDIT = Audit()  # also asked for a job's last audit (last_report)

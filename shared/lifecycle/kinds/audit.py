@@ -25,7 +25,7 @@ from shared.capture.client import InferenceClient
 from shared.capture.compare import DEFAULT_TOLERANCES, FieldTolerances, SampleComparison, Tolerances, compare_sample
 from shared.errors import JobNotFound, SubmitError
 from shared.lifecycle import progress
-from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, ShardContext, Target, check_served_model
+from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, KindRecord, ShardContext, Target, check_served_model
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, ShardInput, utc_now
 from shared.lifecycle.shards import load_job
 from shared.settings import Settings
@@ -191,6 +191,7 @@ def select_samples(
 class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     name = "audit"
     options = AuditOptions
+    record = KindRecord  # JobRecord's common fields are all it records
     finalizes = False  # its last shard's worker writes the report after the commit; the job is complete without it
     input_type = AuditShardInput
     manifest_type = AuditManifest

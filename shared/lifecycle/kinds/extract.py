@@ -18,7 +18,7 @@ from shared.data.datasets import Conversation
 from shared.data.tokenization import TokenizedSample
 from shared.data.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
 from shared.errors import ShardValidationError
-from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, ShardContext, Target, check_served_model
+from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, KindRecord, ShardContext, Target, check_served_model
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput
 from shared.provenance import compute_provenance
 from shared.settings import Settings
@@ -154,6 +154,7 @@ def capture_and_write(
 class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
     name = "extract"
     options = KindOptions  # JobSpec's common fields are an extraction's
+    record = KindRecord  # JobRecord's common fields are all it records
     finalizes = False
     input_type = ShardInput
     manifest_type = Manifest

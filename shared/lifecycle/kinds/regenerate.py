@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +27,8 @@ from typing import Any, cast
 
 import httpx
 import redis
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from redis.typing import EncodableT, FieldT
 
 from shared import access
 from shared.capture.client import InferenceClient
@@ -46,6 +47,7 @@ from shared.lifecycle.kind import (
     JobKind,
     JobPlan,
     KindOptions,
+    KindRecord,
     ShardContext,
     Target,
     check_served_model,
@@ -61,7 +63,7 @@ from shared.lifecycle.schemas import (
     JobSpec,
     ReasoningPolicy,
     RegenerationManifest,
-    RegenerationPlan,
+    RegenerationProgress,
     RegenerationShardInput,
     TurnRecord,
     utc_now,
@@ -101,6 +103,30 @@ class RegenerateOptions(KindOptions):
         if self.then_train:
             self.then_extract = True
         return self
+
+
+class RegenerationPlan(BaseModel):
+    """What a regenerate job will produce, recorded in its job.json at submit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    assistant_turns_total: int
+    max_generated_tokens: int  # assistant turns x max_new_tokens: the upper bound of the work
+    sampling_params: dict[str, Any]  # what every /generate request carries (seed: per turn, derived)
+    output_key: str  # the assembled dataset, relative to the storage root
+    output_url: str | None = None
+    chained_job_id: str | None = None  # the extraction job submitted when all shards are committed
+    tokenizer_prefix: str  # the target's tokenizer and chat template, for the workers
+
+
+class RegenerateRecord(KindRecord):
+    """A regenerate job's own fields of job.json."""
+
+    regeneration: RegenerationPlan
+
+    @classmethod
+    def plan_of(cls, job: JobRecord) -> RegenerationPlan:
+        return cls.of(job).regeneration
 
 
 # A rough size of one generated token in the output JSONL, for the projected bytes before anything is stored.
@@ -448,13 +474,33 @@ def summarize(job: JobRecord, manifests: list[RegenerationManifest]) -> dict[str
     }
 
 
+def projected_generated_tokens(number: Mapping[str, int], *, finished: bool) -> int:
+    """A regenerate job's total generated tokens: what the conversations done so far generated on average, times
+    all of them, at most assistant turns x max_new_tokens (the planned tokens_total); exact once finished."""
+    done, upper = number["tokens_done"], number["tokens_total"]
+    if finished:
+        return done
+    conversations_done = number["samples_done"] + number.get("conversations_failed", 0)
+    if conversations_done == 0:
+        return upper
+    remaining = max(number["samples_total"] - conversations_done - _dead_conversations(number), 0)
+    per_conversation = done / conversations_done
+    return min(upper, round(done + per_conversation * remaining))
+
+
+def _dead_conversations(number: Mapping[str, int]) -> int:
+    # samples_failed holds the failed conversations of committed shards plus every conversation of a dead shard.
+    return number["samples_failed"] - number.get("conversations_failed", 0)
+
+
 def chained_spec(job: JobRecord, storage: Storage) -> JobSpec:
     """The extraction job on the regenerated dataset, with the extraction knobs of the regenerate job's spec."""
-    assert job.regeneration is not None and job.regeneration.chained_job_id is not None
+    plan = RegenerateRecord.plan_of(job)
+    assert plan.chained_job_id is not None
     return JobSpec(
-        dataset_url=f"{storage.url.rstrip('/')}/{job.regeneration.output_key}",
+        dataset_url=f"{storage.url.rstrip('/')}/{plan.output_key}",
         model_path=job.spec.model_path,
-        job_id=job.regeneration.chained_job_id,
+        job_id=plan.chained_job_id,
         max_length=job.spec.max_length,
         length_policy=job.spec.length_policy,
         draft_vocab_size=job.spec.draft_vocab_size,
@@ -476,13 +522,13 @@ def finalize_if_complete(
     """Once every shard is committed: assemble the dataset (create-only), write the failed list and the summary,
     copy the dataset to output_url, submit the chained extraction job. Idempotent, so whichever worker commits
     the last shard (or two at once, or a retry) can run it. True when the job is finalized."""
-    assert job.regeneration is not None
+    plan = RegenerateRecord.plan_of(job)
     if redis_client.hget(progress.job_key(job.job_id), "finalized") == b"1":
         return True
     if len(storage.list(layout.manifests_prefix(job.job_id))) < job.shards_total:
         return False
     manifests = load_manifests(storage, job.job_id)
-    output_key = job.regeneration.output_key
+    output_key = plan.output_key
     if not storage.exists(output_key):
         data = b"".join(storage.get(m.output_key) for m in manifests)
         storage.put_if_absent(output_key, data)
@@ -492,12 +538,12 @@ def finalize_if_complete(
     )
     summary = summarize(job, manifests)
     error: str | None = None
-    if job.regeneration.output_url is not None:
+    if plan.output_url is not None:
         try:
-            locations.write_whole(job.regeneration.output_url, storage.get(output_key), settings)
+            locations.write_whole(plan.output_url, storage.get(output_key), settings)
         except (OSError, ConfigurationError) as exc:
-            error = f"writing the dataset to {job.regeneration.output_url}: {exc}"
-    chained_job_id = job.regeneration.chained_job_id
+            error = f"writing the dataset to {plan.output_url}: {exc}"
+    chained_job_id = plan.chained_job_id
     if chained_job_id is not None and chain is None:
         error = error or f"chained job {chained_job_id}: this worker cannot submit it (no producer API)"
         chained_job_id = None
@@ -560,6 +606,7 @@ class RegenerateState:
 class Regenerate(JobKind[RegenerationShardInput, ConversationInput, ConversationResult, RegenerationManifest]):
     name = "regenerate"
     options = RegenerateOptions
+    record = RegenerateRecord
     finalizes = True  # assembles the regenerated dataset (and submits the chained job) after its last shard
     input_type = RegenerationShardInput
     manifest_type = RegenerationManifest
@@ -742,6 +789,27 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         logger.error("job=%s: assembling the regenerated dataset failed: %s", job_id, reason)
         return True
 
+    def progress_fields(self, job: JobRecord) -> dict[FieldT, EncodableT]:
+        plan = RegenerateRecord.plan_of(job)
+        return {"max_generated_tokens": plan.max_generated_tokens, "output_key": plan.output_key}
+
+    def progress(
+        self, number: Mapping[str, int], fields: Mapping[str, str], finished: bool
+    ) -> tuple[int, dict[str, Any]]:
+        """Generated tokens, projected from the conversations done so far; the conversations' counts (this kind's
+        counters) and the chain."""
+        section = RegenerationProgress.model_validate(
+            dict(number)
+            | {
+                "max_generated_tokens": number.get("max_generated_tokens", number["tokens_total"]),
+                "finalized": bool(number.get("finalized")),
+                "output_key": fields.get("output_key"),
+                "chained_job_id": fields.get("chained_job_id"),
+                "error": fields.get("finalize_error"),
+            }
+        )
+        return projected_generated_tokens(number, finished=finished), {"regeneration": section}
+
     def failed(self, storage: Storage, job_id: str) -> list[FailedConversation]:
         return failed_conversations(storage, job_id)
 
@@ -755,7 +823,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
     def training_job(self, storage: Storage, job: JobRecord, *, wait_s: float = 0.0) -> str:
         """A regenerated dataset is not training data: its chained extraction job is (waiting up to wait_s for the
         regeneration to submit it)."""
-        chained = job.regeneration.chained_job_id if job.regeneration else None
+        chained = RegenerateRecord.plan_of(job).chained_job_id
         if chained is None:
             raise ConfigurationError(f"job {job.job_id} regenerates without then_extract: there is nothing to train on")
         deadline = time.monotonic() + wait_s
