@@ -1,7 +1,10 @@
 """The Celery app, configured once from the settings with the delivery semantics of docs/architecture.md."""
 
+from urllib.parse import urlparse
+
 from celery import Celery
 
+from services.worker import broker
 from shared.lifecycle.queue import SHARD_QUEUE
 from shared.settings import get_settings
 
@@ -34,6 +37,9 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
 )
+if urlparse(settings.redis_url).scheme in broker.SCHEMES:
+    app.conf.broker_transport = broker.TRANSPORT  # survives a lost connection while holding messages: see broker.py
+
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
 app.steps["consumer"].add("services.worker.presence:WorkerPresence")  # worker registry and shard metrics
 app.steps["consumer"].add("services.worker.leasing:LeaseKeeper")  # shard leases and their reaper: see leasing.py

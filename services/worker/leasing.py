@@ -9,6 +9,8 @@ Everything runs in the main process, which is the one that holds the broker mess
   that requeue counts as a re-run. A run that ended unsettled (it failed, its retry could not be sent to a Redis
   that is down, its acknowledgement was lost) hands its lease back to the reaper instead, which looks in storage.
 - `on_task_received` takes the lease as soon as the message is reserved, countdown (retry) messages included.
+- When the broker connection is lost, Celery drops the messages it holds but has not started; their leases are
+  handed back to the reaper, which returns them to the queue (else they would wait out the visibility timeout).
 - `LeaseKeeper`, a consumer bootstep, renews this worker's leases every `shard_lease_s / 4` and reaps expired leases
   every `lease_reaper_interval_s`: the unacknowledged message of a dead worker goes back to the front of the queue
   (kombu's own restore, as at the visibility timeout, only sooner), or, if the broker lost it, a new one is sent.
@@ -21,6 +23,7 @@ registered and published again from storage), and a job whose producer died whil
 enqueued).
 """
 
+import contextlib
 import logging
 import os
 import secrets
@@ -31,6 +34,7 @@ import redis
 from billiard.einfo import ExceptionWithTraceback
 from celery import bootsteps, signals
 from celery.exceptions import Retry
+from celery.worker import state
 from celery.worker.request import Request
 
 from shared.errors import JobNotFound
@@ -126,7 +130,12 @@ class LeaseKeeper(bootsteps.StartStopStep):
         )
 
     def stop(self, c: Any) -> None:
-        # Also on a consumer restart (broker connection lost): the shards still run, their leases stay held.
+        # Also on a consumer restart (broker connection lost), after which the consumer starts again.
+        self._stop_timers()
+        if state.should_stop is None and state.should_terminate is None:
+            self._hand_back_dropped()
+
+    def _stop_timers(self) -> None:
         global _keeper
         for timer in self.timers:
             timer.cancel()
@@ -134,10 +143,30 @@ class LeaseKeeper(bootsteps.StartStopStep):
         if _keeper is self:
             _keeper = None
 
+    def _hand_back_dropped(self) -> None:
+        """A lost broker connection makes Celery drop every message it had received but not started (a prefetched
+        shard, a retry waiting for its countdown): they stay in the broker's unacknowledged set, which only the
+        visibility timeout (hours) would put back in the queue. Their leases go back to the reaper, which returns
+        those messages to the queue within a lease period; the shards running now keep theirs, and run on."""
+        running = {str(request.message.delivery_tag) for request in tuple(state.active_requests)}
+        dropped = [tag for tag in self.held if tag not in running]
+        for tag in dropped:
+            lease = self.held.pop(tag)
+            # With Redis down too it cannot be handed back now; no longer renewed, it expires within a lease period.
+            with contextlib.suppress(redis.RedisError):
+                if self.client is not None:
+                    leases.hand_back(self.client, lease)
+            logger.warning(
+                "shard %d of job %s was waiting in this worker when the broker connection was lost: handed back to "
+                "the lease reaper, which returns it to the queue",
+                lease.shard_index,
+                lease.job_id,
+            )
+
     def shutdown(self, c: Any) -> None:
         # The worker is going away and its unacknowledged messages go back to the queue with the connection:
         # their leases go too, or the reaper would send those shards a second time.
-        self.stop(c)
+        self._stop_timers()
         if self.client is not None:
             for lease in self.held.values():
                 try:
