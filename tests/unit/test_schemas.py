@@ -146,7 +146,7 @@ def test_a_kind_without_its_declarations_is_refused_when_registered() -> None:
 
         open = prepare = items = item_key = reuse = process = plan
 
-    with pytest.raises(TypeError, match="Summarize does not declare name, input_type, manifest_type, options, record, fin"):
+    with pytest.raises(TypeError, match="Summarize does not declare name, input_type, manifest_type, options, record"):
         registry([Summarize()])
     with pytest.raises(TypeError, match="job kind 'extract' is declared twice"):
         registry([Extract(), Extract()])
