@@ -464,10 +464,7 @@ def test_the_cli_submits_a_regenerate_job(
         "drop",
         0,
     )
-    assert (
-        job.spec.model_dump()["then_extract"]
-        and regeneration.RegenerateRecord.plan_of(job).output_url == str(out)
-    )
+    assert job.spec.model_dump()["then_extract"] and regeneration.RegenerateRecord.plan_of(job).output_url == str(out)
     assert [kind for kind, _, _ in sent] == ["regenerate"] * job.shards_total
 
 
