@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry, generate_latest
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -60,25 +61,37 @@ class BodySizeLimit:
 
 
 def document_kind_options(app: FastAPI) -> None:
-    """/openapi.json and /docs: the job spec takes each kind's own options flat beside its common fields (checked
-    against the kind's declaration, shared/lifecycle/kind.py), so the schema lists them, each saying its kinds."""
+    """/openapi.json and /docs: the job spec takes each kind's own options flat beside its common fields, and a job's
+    record holds each kind's own fields beside its common ones (both checked against the kind's declaration,
+    shared/lifecycle/kind.py), so the schemas list them, each saying its kinds."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = generate()  # FastAPI's own, which it keeps as app.openapi_schema: completed here once
-        properties = schema["components"]["schemas"]["JobSpec"]["properties"]
-        meanings: dict[str, list[str]] = {}
-        for name, kind in KINDS.items():
-            for option, field in kind.options.model_json_schema()["properties"].items():
-                properties.setdefault(option, field)
-                meanings.setdefault(option, []).append(f"{name} jobs: {field.get('description', '')}".strip())
-        for option, meaning in meanings.items():
-            properties[option]["description"] = "; ".join(meaning)
+        _add_kind_fields(schema, "JobSpec", {name: kind.options for name, kind in KINDS.items()})
+        _add_kind_fields(schema, "JobRecord", {name: kind.record for name, kind in KINDS.items()})
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
+
+
+def _add_kind_fields(schema: dict[str, Any], model: str, declared: dict[str, type[BaseModel]]) -> None:
+    components = schema["components"]["schemas"]
+    if model not in components:
+        return
+    properties = components[model].setdefault("properties", {})
+    meanings: dict[str, list[str]] = {}
+    for kind, fields in declared.items():
+        own = fields.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, definition in own.pop("$defs", {}).items():
+            components.setdefault(name, definition)
+        for name, field in own.get("properties", {}).items():
+            properties.setdefault(name, field)
+            meanings.setdefault(name, []).append(f"{kind} jobs: {field.get('description', '')}".strip())
+    for name, meaning in meanings.items():
+        properties[name]["description"] = "; ".join(meaning)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

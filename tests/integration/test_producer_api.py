@@ -208,3 +208,7 @@ def test_metrics_dashboard_and_openapi_are_served(api: Api) -> None:
     seed = spec["seed"]["description"]
     assert seed.startswith("regenerate jobs: ") and "; audit jobs: " in seed
     assert "max_length" in spec and "audit_fraction" in spec
+    # A job's record likewise lists each kind's own fields, with the models they refer to.
+    record = schema["components"]["schemas"]["JobRecord"]["properties"]
+    assert record["regeneration"]["$ref"] == "#/components/schemas/RegenerationPlan"
+    assert "assistant_turns_total" in schema["components"]["schemas"]["RegenerationPlan"]["properties"]
