@@ -33,9 +33,13 @@ install-browser:
 demo: install
 	$(EAGLE3) demo
 
+# Two pytest-xdist workers, a test module at a time each (its module fixtures built once): the live-stack suites
+# (tests/k8s, tests/compose: minutes of waiting on pods and containers) start first, beside the rest of the suite.
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # Fault-injection scenarios over real processes; prints the fault table (also build/faults.json).
 # `-o addopts=` lifts the default `-m 'not faults'`; the trainer's resume test is the trainer's fault row, the

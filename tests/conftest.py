@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from tests.builders import build_tiny_llama
+from tests.fixtures import step_timings
 
 # Fixture modules, registered once for the whole suite; a fixture starts its server only when a test asks for it.
 pytest_plugins = [
@@ -20,10 +21,34 @@ pytest_plugins = [
 SERVER_FIXTURES = {"reference_server_url", "server", "extracted_job", "smollm2_dir", "deployment"}
 
 
+# The longest modules, run first: minutes each (the live cluster, the compose stack, the short chaos soak), mostly
+# waiting on pods, containers and faults, so that under pytest-xdist (`make test`: two workers, a module per worker at
+# a time) they start early beside the rest of the suite instead of ending it.
+FIRST = ("tests/k8s/", "tests/compose/", "tests/soak/")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, prefix in enumerate(FIRST) if item.nodeid.startswith(prefix)), len(FIRST))
+
+    items.sort(key=rank)  # stable: the order within each part stays
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    step_timings.hand_to_controller(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in its controller
+def pytest_testnodedown(node: object, error: object) -> None:
+    step_timings.take_from_worker(getattr(node, "workeroutput", {}))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    step_timings.print_tables(terminalreporter)
 
 
 @pytest.fixture(scope="session")

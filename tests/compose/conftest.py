@@ -6,8 +6,10 @@ import subprocess
 
 import pytest
 
+from tests.fixtures import step_timings
+
 # Filled by the tests: what each step of the real engine took, printed in the terminal summary.
-TIMINGS_S: dict[str, float] = {}
+TIMINGS_S = step_timings.table("docker compose on a real engine: seconds per step")
 
 
 def docker_unavailable_reason() -> str | None:
@@ -41,10 +43,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in ours:
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if TIMINGS_S:
-        terminalreporter.section("docker compose on a real engine: seconds per step")
-        for step, seconds in TIMINGS_S.items():
-            terminalreporter.write_line(f"{step:<58s} {seconds:8.1f}")

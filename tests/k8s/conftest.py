@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.compose.conftest import docker_unavailable_reason
+from tests.fixtures import step_timings
 
 REPO = Path(__file__).resolve().parents[2]
 # The tool that starts a real single-node Kubernetes cluster on this kind of machine; another path with
@@ -22,7 +23,7 @@ CLUSTER_CONTAINERD = Path("/run/k8s-containerd/containerd.sock")
 API_SERVER_PORT = 6443
 
 # Filled by the test: what each step on the live cluster took, printed in the terminal summary.
-TIMINGS_S: dict[str, float] = {}
+TIMINGS_S = step_timings.table("Kubernetes on a live single-node cluster: seconds per step")
 
 
 def cluster_unavailable_reason() -> str | None:
@@ -60,10 +61,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in ours:
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if TIMINGS_S:
-        terminalreporter.section("Kubernetes on a live single-node cluster: seconds per step")
-        for step, seconds in TIMINGS_S.items():
-            terminalreporter.write_line(f"{step:<66s} {seconds:8.1f}")
