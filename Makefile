@@ -50,7 +50,7 @@ faults: install
 		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run \
 		tests/integration/test_audit.py::test_corrupted_samples_are_flagged_by_sample_and_defect
 
-# Chaos soak (tests/soak, not collected by pytest): jobs of both kinds submitted over SOAK_MINUTES while seeded random
+# Chaos soak (tests/soak; `make test` runs a 3-minute one, tests/soak/test_short_soak.py): jobs of both kinds submitted over SOAK_MINUTES while seeded random
 # faults hit the stack, then every job must end completed (or deleted) with a clean audit; resources at start and
 # end. Prints the tables and the seed (replay: SOAK_SEED=...), writes build/soak.json; logs in build/soak-run/logs.
 SOAK_MINUTES ?= 30
