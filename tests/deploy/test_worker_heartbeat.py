@@ -14,7 +14,7 @@ import pytest
 from celery import Celery
 
 from shared.lifecycle.queue import SHARD_QUEUE
-from tests.fixtures.processes import wait_until
+from tests.fixtures.processes import start_worker, wait_until
 
 INTERVAL_S = 0.3
 MAX_AGE_S = 2.0
@@ -63,13 +63,7 @@ def worker(redis_url: str, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         "EAGLE3_WORKER_HEARTBEAT_INTERVAL_S": str(INTERVAL_S),
     }
     log = (tmp_path / "worker.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "eagle3", "worker", "--name", name, "--concurrency", "1"],
-        env=env,
-        cwd=tmp_path,  # no .env of the checkout
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    process = start_worker(name, env, tmp_path, log)
     try:
         deadline = time.monotonic() + 60
         while not path.exists():  # the heartbeat appears once the worker consumes

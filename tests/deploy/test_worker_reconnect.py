@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from celery import Celery
 from shared.lifecycle import leases
 from shared.lifecycle.queue import SHARD_QUEUE, task_name
 from shared.settings import Settings
-from tests.fixtures.processes import free_port, wait_until
+from tests.fixtures.processes import free_port, start_worker, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -86,13 +85,7 @@ def test_a_waiting_retry_goes_back_to_the_queue_after_a_broker_restart(
     job_args = ["job-20260101-000000-deadbeef", 0]
     lease_id = leases.lease_id(task_name("extract"), str(job_args[0]), int(job_args[1]))
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "eagle3", "worker", "--name", name, "--concurrency", "1"],
-            env=env,
-            cwd=tmp_path,  # no .env of the checkout
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        process = start_worker(name, env, tmp_path, log)
         try:
             wait_until(heartbeat.exists, timeout_s=60)  # consuming
             # A shard whose retry countdown has not run out: the worker holds it, unacknowledged, without running it.

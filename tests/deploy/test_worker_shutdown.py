@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +15,7 @@ from celery import Celery
 
 from shared.lifecycle.queue import SHARD_QUEUE, task_name
 from shared.settings import Settings
-from tests.fixtures.processes import wait_until
+from tests.fixtures.processes import start_worker, wait_until
 
 UNACKED = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
 
@@ -42,13 +40,7 @@ def test_idle_worker_exits_without_the_soft_timeout_and_requeues_a_held_retry(re
     client = redis.Redis.from_url(redis_url)
     sender = Celery(broker=redis_url)
     with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "eagle3", "worker", "--name", name, "--concurrency", "1"],
-            env=env,
-            cwd=tmp_path,  # no .env of the checkout
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        process = start_worker(name, env, tmp_path, log)
         try:
             wait_until(heartbeat.exists, timeout_s=60)  # consuming
             # A shard whose retry countdown has not run out: the worker holds it, unacknowledged, without running it.

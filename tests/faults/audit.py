@@ -35,6 +35,21 @@ class Audit:
     torn: list[str] = field(default_factory=list)
     stray: list[str] = field(default_factory=list)
 
+    @classmethod
+    def of(
+        cls, job_id: str, expected: set[int], entries: Counter[int], *, torn: list[str], stray: list[str]
+    ) -> "Audit":
+        """From how many manifest entries name each expected sample."""
+        return cls(
+            job_id=job_id,
+            samples_expected=len(expected),
+            committed_once=sum(1 for i in expected if entries[i] == 1),
+            duplicated=sum(1 for i in expected if entries[i] > 1),
+            lost=sum(1 for i in expected if entries[i] == 0),
+            torn=torn,
+            stray=stray,
+        )
+
     @property
     def clean(self) -> bool:
         return (
@@ -84,15 +99,7 @@ def audit_job(storage: Storage, job_id: str) -> Audit:
             if len(data) != sample.bytes or hashlib.sha256(data).hexdigest() != sample.sha256:
                 torn.append(f"{sample.key} ({len(data)} bytes, manifest says {sample.bytes})")
     stray = sorted(k for k in keys - named if not _OWN_FILES.fullmatch(k.removeprefix(f"{job_id}/")))
-    return Audit(
-        job_id=job_id,
-        samples_expected=len(expected),
-        committed_once=sum(1 for i in expected if entries[i] == 1),
-        duplicated=sum(1 for i in expected if entries[i] > 1),
-        lost=sum(1 for i in expected if entries[i] == 0),
-        torn=torn,
-        stray=stray,
-    )
+    return Audit.of(job_id, expected, entries, torn=torn, stray=stray)
 
 
 # A regenerate job's own files besides its manifests and the conversation records and shard outputs they name.
@@ -138,12 +145,4 @@ def audit_regenerate_job(storage: Storage, job_id: str) -> Audit:
     if whole and storage.get(assembled) != b"".join(data for _, data in sorted(outputs)):
         torn.append(f"{assembled} (not the shard outputs in order)")
     stray = sorted(k for k in keys - named if not _OWN_REGENERATE_FILES.fullmatch(k.removeprefix(f"{job_id}/")))
-    return Audit(
-        job_id=job_id,
-        samples_expected=len(expected),
-        committed_once=sum(1 for i in expected if entries[i] == 1),
-        duplicated=sum(1 for i in expected if entries[i] > 1),
-        lost=sum(1 for i in expected if entries[i] == 0),
-        torn=torn,
-        stray=stray,
-    )
+    return Audit.of(job_id, expected, entries, torn=torn, stray=stray)
