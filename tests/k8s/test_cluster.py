@@ -395,7 +395,7 @@ def test_autoscaler_inputs_read_the_waiting_shards(cluster: Cluster, tmp_path: P
     cluster.scale_workers(0)
     dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=1)
     job = cluster.submit(dataset, shard_token_budget=256)
-    JOBS["three workers"] = job["job_id"]
+    JOBS["waiting at zero workers"] = job["job_id"]
     shards = job["shards_total"]
     assert shards >= 3, job
 
@@ -429,20 +429,28 @@ def test_autoscaler_inputs_read_the_waiting_shards(cluster: Cluster, tmp_path: P
 
 
 def test_three_workers_share_a_job(cluster: Cluster, tmp_path: Path, smollm2_dir: Path, reference: HFReference) -> None:
-    job_id = JOBS.get("three workers")
-    if job_id is None:
+    waiting = JOBS.get("waiting at zero workers")
+    if waiting is None:
         pytest.fail("no waiting job from test_autoscaler_inputs_read_the_waiting_shards")
     started = time.monotonic()
     cluster.scale_workers(3)
     TIMINGS_S["kubectl scale worker 0 -> 3, all Ready"] = time.monotonic() - started
+    # The first pod Ready may drain the waiting job alone before the others are; sharing is shown on a job
+    # submitted once all three consume.
+    progress = cluster.wait_finished(waiting, timeout_s=600)
+    assert progress["state"] == "completed", progress
     pods = cluster.worker_pods()
-    progress = cluster.wait_finished(job_id, timeout_s=600)
-    TIMINGS_S["job 2: 24 conversations, 256-token shards, 3 workers (after scale)"] = time.monotonic() - started
+
+    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=4)
+    started = time.monotonic()
+    job = cluster.submit(dataset, shard_token_budget=256)
+    JOBS["three workers"] = job["job_id"]
+    progress = cluster.wait_finished(job["job_id"], timeout_s=600)
+    TIMINGS_S[f"job 2: 24 conversations, {job['shards_total']} shards, 3 workers"] = time.monotonic() - started
     assert progress["state"] == "completed", progress
 
-    storage = cluster.export(job_id, tmp_path / "storage")
-    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=1)  # the same bytes
-    _, manifests = check_job(storage, job_id, dataset, smollm2_dir, reference)
+    storage = cluster.export(job["job_id"], tmp_path / "storage")
+    _, manifests = check_job(storage, job["job_id"], dataset, smollm2_dir, reference)
     by_pod: dict[str, int] = {}
     for m in manifests:
         pod = m.worker.split(":")[0]  # <hostname>:<pid>; a pod's hostname is its name
