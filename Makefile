@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	# in a folder of its own: the package and the few modules its parser imports, not its GPU dependencies.
 	$(PIP) --no-deps --upgrade --target $(VENV)/sglang-cpu sglang==0.5.23 orjson==3.13.0 pybase64==1.5.1 msgspec==0.23.0 \
 		pyzmq==27.3.0 pillow==13.0.0
+	# Triton for SpecForge's cross-entropy kernel, run in its interpreter on CPU by the check of our objective against
+	# SpecForge's (tests/trainer/test_vs_specforge.py), in a folder of its own: the test process never imports it.
+	$(PIP) --no-deps --upgrade --target $(VENV)/triton-cpu triton==3.9.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,377 @@
+"""Our EAGLE-3 training step against SpecForge's, on the same weights and the same inputs, in one command.
+
+SpecForge's side is its own code (`specforge` 0.2.0): the draft model `LlamaForCausalLMEagle3` with its default
+attention backend (flex_attention), `OnlineEagle3Model` (TTT), `Eagle3TrainStrategy` over its offline `TargetHead`
+(the stored final state through the frozen lm_head, as its offline training reads it) and `BF16Optimizer` (bf16
+weights, fp32 master copies, clipping at 0.5), on one GPU without FSDP. Ours is the trainer's own step
+(`services.trainer.step`: `TTTObjective`, fused AdamW over fp32 weights under bf16 autocast, clipping at 0.5), with its
+defaults. Both start from the same weights: SpecForge's model loads our drafter's state dict (same names; the SGLang
+export is it, filtered).
+
+1. Loss agreement, on one batch in fp32 with no autocast on either side, so that the comparison is of the objective
+   and not of rounding. The two normalise differently, so the per-step sums of the soft cross-entropy are compared:
+   SpecForge's step loss is a mean over all B*T rows (rows it masks add zero), ours a mean over the rows we count.
+   SpecForge gates row t of step i on `loss_mask[t + i]`, ours on the mask of the token it predicts
+   (`loss_mask[t + 2 + i]`), so SpecForge's batch gets our mask shifted left by two: the same rows count on both
+   sides. Per-step accuracies are compared too (one argmax flipped by rounding moves them by 1/rows).
+2. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
+   median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
+   of memory on one side is named in the table; the other side is still measured.
+
+    python -m bench.vs_specforge --dims llama3-8b --shapes 1x2048 4x2048 1x8192 2x16384 --out vs_specforge.json
+
+On a CPU (`--dims tiny`, small shapes) it checks the agreement and runs the steps, so the script is tested without a
+GPU; SpecForge's loss is a Triton kernel there, which runs under TRITON_INTERPRET=1 (tests/trainer/test_vs_specforge.py
+runs it that way), and SpecForge's torch.compile'd helpers run eagerly (TORCHDYNAMO_DISABLE=1).
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.trainer_throughput import SHAPES, Shape, drafter_config
+from services.trainer.config import TrainConfig
+from services.trainer.drafter import Eagle3Drafter, TargetHead
+from services.trainer.export import sglang_config
+from services.trainer.loss import Batch, shift_left, ttt_loss
+from services.trainer.step import TTTObjective, build_optimizer, build_scheduler, train_step
+
+DIMS = {
+    "llama3-8b": SHAPES["llama3-8b"],
+    "tiny": Shape(128, 256, 4, 2, 32, 1024, 256, ()),
+}
+# fp32 on both sides: what is left is summation order (flash vs flex attention, fused vs Triton cross-entropy).
+LOSS_RTOL = 1e-3
+ACCURACY_ATOL_ROWS = 2  # argmax flips between near-equal logits, counted in rows
+AGREEMENT_BACKENDS = ("flex_attention", "sdpa")  # SpecForge's default attention, and the one it falls back to
+
+
+@dataclass(frozen=True)
+class Models:
+    drafter: Eagle3Drafter
+    target_head: TargetHead
+    shape: Shape
+
+
+def build_models(shape: Shape, seed: int = 0) -> Models:
+    """Our drafter with a random draft vocabulary (sorted target ids, as vocab_mapping.pt gives) and a random target
+    head at the scale of a trained one, in fp32 on the CPU."""
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(drafter_config(shape))
+    target_ids = torch.randperm(shape.vocab_size)[: shape.draft_vocab_size].sort().values
+    drafter.d2t.copy_(target_ids - torch.arange(shape.draft_vocab_size))
+    drafter.t2d.zero_()
+    drafter.t2d[target_ids] = True
+    weight = torch.randn(shape.vocab_size, shape.hidden_size) * 0.02
+    weight[target_ids] *= 2  # the draft vocabulary holds most of the target's greedy tokens, as a real one does
+    return Models(drafter, TargetHead(weight), shape)
+
+
+def random_batch(shape: Shape, batch_size: int, seq_len: int, seed: int) -> Batch:
+    """Random states at the scale of a post-norm residual stream, a loss mask with unlearned stretches (prompts) and
+    right padding on all rows but the first, so that every mask path is exercised."""
+    generator = torch.Generator().manual_seed(seed)
+    B, T, H = batch_size, seq_len, shape.hidden_size
+    lengths = torch.full((B,), T)
+    lengths[1:] = torch.randint(T // 2, T + 1, (B - 1,), generator=generator)
+    attention_mask = torch.arange(T)[None, :] < lengths[:, None]
+    prompt = torch.randint(0, max(1, T // 4), (B,), generator=generator)
+    loss_mask = (torch.arange(T)[None, :] >= prompt[:, None]) & attention_mask
+    return Batch(
+        input_ids=torch.randint(0, shape.vocab_size, (B, T), generator=generator),
+        loss_mask=loss_mask.long(),
+        aux_hidden_state=torch.randn(B, T, 3 * H, generator=generator).to(torch.bfloat16),
+        hidden_state=torch.randn(B, T, H, generator=generator).to(torch.bfloat16),
+        attention_mask=attention_mask,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SpecForge's side, built from its own classes
+
+
+class SpecForgeStep:
+    """SpecForge's draft model, TTT model, strategy and target head over our drafter's weights."""
+
+    def __init__(self, models: Models, *, device: torch.device, dtype: torch.dtype, attention_backend: str) -> None:
+        from specforge.algorithms.eagle3.model import OnlineEagle3Model
+        from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+        from specforge.modeling.target.target_head import TargetHead as SpecForgeTargetHead
+        from specforge.training.strategies.base import Eagle3TrainStrategy
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**sglang_config(models.drafter.config))
+        draft_model = LlamaForCausalLMEagle3(config, attention_backend=attention_backend)
+        draft_model.load_state_dict(models.drafter.state_dict(), strict=True)
+        draft_model.freeze_embedding()  # the target's embedding, frozen as in SpecForge's training
+        self.draft_model = draft_model.to(device=device, dtype=dtype)
+        with tempfile.TemporaryDirectory() as target_dir:  # its TargetHead reads the target's config from a folder
+            LlamaConfig(
+                hidden_size=models.shape.hidden_size, vocab_size=models.shape.vocab_size, num_hidden_layers=1
+            ).save_pretrained(target_dir)
+            target_head = SpecForgeTargetHead(target_dir)
+        target_head.fc.weight.data.copy_(models.target_head.weight.data)
+        target_head.requires_grad_(False)
+        # Its from_pretrained keeps the head in bf16; fp32 for the agreement check.
+        self.target_head = target_head.eval().to(device=device, dtype=dtype)
+        self.eagle3_model = OnlineEagle3Model(
+            draft_model=self.draft_model,
+            length=TrainConfig(job_id="bench").ttt_length,
+            attention_backend=attention_backend,
+        )
+        self.strategy = Eagle3TrainStrategy(self.eagle3_model, target_head=self.target_head)
+
+    def forward(self, batch: Batch, device: torch.device) -> Any:
+        from specforge.runtime.contracts import TrainBatch
+
+        # SpecForge gates row t of step i on loss_mask[t + i]; ours gates on the predicted token, loss_mask[t + 2 + i].
+        predictable = (batch.loss_mask.bool() & batch.attention_mask.bool()).long()
+        train_batch = TrainBatch(
+            sample_ids=[str(i) for i in range(batch.input_ids.shape[0])],
+            strategy="eagle3",
+            tensors={
+                "input_ids": batch.input_ids.to(device),
+                "attention_mask": batch.attention_mask.long().to(device),
+                "loss_mask": shift_left(predictable, 2).to(device),
+                "hidden_state": batch.aux_hidden_state.to(device=device, dtype=self.target_head.fc.weight.dtype),
+                "target": batch.hidden_state.to(device=device, dtype=self.target_head.fc.weight.dtype),
+            },
+            metadata={"target_repr": "hidden_state"},
+        )
+        return self.strategy.forward_loss(train_batch)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1. Loss agreement
+
+
+@torch.no_grad()
+def loss_agreement(models: Models, batch: Batch, *, device: torch.device, attention_backend: str) -> dict:
+    """Per-step sums of the soft cross-entropy and accuracies of both objectives on one batch, fp32, no autocast."""
+    specforge = SpecForgeStep(models, device=device, dtype=torch.float32, attention_backend=attention_backend)
+    B, T = batch.input_ids.shape
+    theirs = specforge.forward(batch, device)
+    their_sums = [float(loss) * B * T for loss in theirs.metrics["plosses"]]
+    their_accuracies = [float(a) for a in theirs.metrics["acces"]]
+    del specforge, theirs
+
+    drafter = models.drafter.to(device)
+    target_head = models.target_head.to(device)
+    ours = ttt_loss(drafter, target_head, batch.to(device), ttt_length=len(their_sums))
+    drafter.cpu(), target_head.cpu()
+    our_sums = [loss * rows for loss, rows in zip(ours.step_losses, ours.step_num_tokens, strict=True)]
+    steps = []
+    for i, (our_sum, their_sum) in enumerate(zip(our_sums, their_sums, strict=True)):
+        rows = ours.step_num_tokens[i]
+        relative = abs(our_sum - their_sum) / max(abs(their_sum), 1e-12)
+        accuracy_gap = abs(ours.step_accuracies[i] - their_accuracies[i])
+        steps.append(
+            {
+                "step": i,
+                "rows": rows,
+                "ours": our_sum,
+                "specforge": their_sum,
+                "relative_error": relative,
+                "accuracy_ours": ours.step_accuracies[i],
+                "accuracy_specforge": their_accuracies[i],
+                "agree": relative <= LOSS_RTOL and accuracy_gap * max(rows, 1) <= ACCURACY_ATOL_ROWS,
+            }
+        )
+    return {
+        "batch": f"{B}x{T}",
+        "specforge_attention": attention_backend,
+        "precision": "fp32, no autocast",
+        "tolerance": f"relative {LOSS_RTOL} on each step's loss sum; accuracy within {ACCURACY_ATOL_ROWS} rows",
+        "steps": steps,
+        "agree": all(s["agree"] for s in steps),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 2. Throughput and memory
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(step: Callable[[int], None], *, device: torch.device, warmup: int, steps: int) -> dict:
+    """Median step time and peak allocated memory of `step(i)` over the timed steps; an OOM is returned, not raised."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    try:
+        for i in range(warmup + steps):
+            sync(device)
+            started = time.perf_counter()
+            step(i)
+            sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - started)
+    except torch.OutOfMemoryError as error:
+        return {"error": "out of memory", "detail": str(error).splitlines()[0]}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"step_s": statistics.median(times), "peak_gib": peak, "step_ms_all": [round(t * 1e3, 1) for t in times]}
+
+
+def measure_ours(models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int) -> dict:
+    config = TrainConfig(job_id="bench", lr=1e-4)
+    drafter, target_head = models.drafter, models.target_head
+    drafter.to(device=device, dtype=torch.float32)
+    # The trainer's own placement: the frozen head in bf16 on GPU (place_models), fp32 on CPU.
+    target_head.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    objective = TTTObjective(drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay)
+    optimizer = build_optimizer(drafter, config)
+    scheduler = build_scheduler(optimizer, config, total_steps=warmup + steps)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    on_device = [b.to(device) for b in batches]
+
+    def step(i: int) -> None:
+        train_step(
+            objective,
+            [on_device[i % len(on_device)]],
+            optimizer=optimizer,
+            scheduler=scheduler,
+            params=params,
+            loss_scale=1.0,
+            max_grad_norm=config.max_grad_norm,
+            ttt_length=config.ttt_length,
+            device=device,
+        )
+
+    result = timed_steps(step, device=device, warmup=warmup, steps=steps)
+    drafter.cpu(), target_head.cpu()  # the shared weights leave the GPU to the other side (the rest goes with us)
+    return result
+
+
+def measure_specforge(
+    models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, attention_backend: str
+) -> dict:
+    from specforge.optimizer import BF16Optimizer
+
+    # bf16 weights with fp32 masters on GPU, as its trainer runs; fp32 on CPU, where bf16 matmuls crawl.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    specforge = SpecForgeStep(models, device=device, dtype=dtype, attention_backend=attention_backend)
+    optimizer = BF16Optimizer(specforge.draft_model, lr=1e-4, max_grad_norm=0.5, total_steps=warmup + steps)
+
+    def step(i: int) -> None:
+        out = specforge.forward(batches[i % len(batches)], device)
+        out.loss.backward()
+        optimizer.step()
+
+    return timed_steps(step, device=device, warmup=warmup, steps=steps)
+
+
+def print_agreement(agreement: dict) -> None:
+    print(f"loss agreement at {agreement['batch']}, SpecForge's {agreement['specforge_attention']} attention:")
+    header = ["step", "rows", "ours", "SpecForge", "rel. error", "acc ours", "acc SF"]
+    print(" ".join(f"{h:>{w}s}" for h, w in zip(header, (4, 6, 12, 12, 10, 8, 8), strict=True)))
+    for s in agreement["steps"]:
+        print(
+            f"{s['step']:4d} {s['rows']:6d} {s['ours']:12.4f} {s['specforge']:12.4f} {s['relative_error']:10.2e} "
+            f"{s['accuracy_ours']:8.4f} {s['accuracy_specforge']:8.4f}{'' if s['agree'] else '  DISAGREE'}"
+        )
+    print(f"agree ({agreement['precision']}; {agreement['tolerance']}): {agreement['agree']}\n", flush=True)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    batch_size, _, seq_len = text.partition("x")
+    return int(batch_size), int(seq_len)
+
+
+def row(name: str, tokens: int, result: dict) -> str:
+    if "error" in result:
+        return f"{name:10s} {result['error']:>12s}"
+    peak = f"{result['peak_gib']:9.2f}" if result["peak_gib"] is not None else f"{'-':>9s}"
+    return f"{name:10s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {peak}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dims", choices=sorted(DIMS), default="llama3-8b")
+    parser.add_argument("--shapes", nargs="*", default=["1x2048", "4x2048", "1x8192", "2x16384"], help="BxT")
+    parser.add_argument("--agreement-shape", default="2x512", help="BxT of the fp32 loss agreement check")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--specforge-attention", default="flex_attention", help="SpecForge's attention backend")
+    parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here (after every shape)")
+    args = parser.parse_args()
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    shape = DIMS[args.dims]
+    models = build_models(shape)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()})",
+        "torch": torch.__version__,
+        "specforge": _version("specforge"),
+        "python": platform.python_version(),
+        "dims": {"name": args.dims, **asdict(shape)},
+        "specforge_attention": args.specforge_attention,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "shapes": [],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    B, T = parse_shape(args.agreement_shape)
+    agreement_batch = random_batch(shape, B, T, seed=1)
+    report["agreement"] = []
+    for backend in AGREEMENT_BACKENDS:
+        agreement = loss_agreement(models, agreement_batch, device=device, attention_backend=backend)
+        report["agreement"].append(agreement)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print_agreement(agreement)
+
+    print(f"{'shape':8s} {'side':10s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s}")
+    for text in args.shapes:
+        B, T = parse_shape(text)
+        batches = [random_batch(shape, B, T, seed) for seed in (2, 3)]
+        ours = measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps)
+        theirs = measure_specforge(
+            models,
+            batches,
+            device=device,
+            warmup=args.warmup,
+            steps=args.steps,
+            attention_backend=args.specforge_attention,
+        )
+        entry: dict[str, Any] = {"shape": text, "ours": ours, "specforge": theirs}
+        if "error" not in ours and "error" not in theirs:
+            entry["speedup"] = theirs["step_s"] / ours["step_s"]
+            if ours["peak_gib"] is not None:
+                entry["memory_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
+        report["shapes"].append(entry)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        tokens = B * T
+        print(f"{text:8s} {row('ours', tokens, ours)}")
+        print(f"{'':8s} {row('SpecForge', tokens, theirs)}")
+        if "speedup" in entry:
+            memory = f", peak memory {entry['memory_ratio']:.2f}x" if "memory_ratio" in entry else ""
+            print(f"{'':8s} ours {entry['speedup']:.2f}x SpecForge's tokens/s{memory}", flush=True)
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""bench/vs_specforge.py on the CPU: SpecForge's own EAGLE-3 objective and ours give the same per-step losses on the
+same weights and inputs (padding and prompt masks included), with SpecForge's default flex attention and its sdpa
+one, and both training steps run. The benchmark's GPU numbers rest on this check.
+
+SpecForge's cross-entropy is a Triton kernel: Triton runs here in its interpreter (TRITON_INTERPRET=1, the wheel
+`make install` puts in .venv/triton-cpu, apart from the test environment), and SpecForge's torch.compile'd
+helpers run eagerly (TORCHDYNAMO_DISABLE=1). Its flex attention has no CPU backward, so its timed step uses sdpa.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+TRITON_CPU = REPO / ".venv" / "triton-cpu"
+
+
+def test_specforge_and_our_ttt_losses_agree_and_both_steps_run(tmp_path: Path) -> None:
+    if not (TRITON_CPU / "triton").is_dir():
+        pytest.fail(f"no Triton in {TRITON_CPU}: `make install` puts it there")
+    out = tmp_path / "vs_specforge.json"
+    env = {**os.environ, "PYTHONPATH": str(TRITON_CPU), "TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1"}
+    command = [
+        sys.executable, "-m", "bench.vs_specforge", "--dims", "tiny", "--agreement-shape", "2x40",
+        "--shapes", "1x32", "--warmup", "0", "--steps", "1", "--specforge-attention", "sdpa", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+
+    assert [a["specforge_attention"] for a in report["agreement"]] == ["flex_attention", "sdpa"]
+    for agreement in report["agreement"]:
+        steps = agreement["steps"]
+        assert len(steps) == 7 and agreement["agree"], result.stdout
+        assert all(s["rows"] > 0 and s["relative_error"] < 1e-5 for s in steps), result.stdout
+
+    (shape,) = report["shapes"]
+    assert shape["ours"]["step_s"] > 0 and shape["specforge"]["step_s"] > 0, shape
