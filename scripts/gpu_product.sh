@@ -15,6 +15,10 @@
 #   6 (nothing)                         bash scripts/gpu_product.sh extract
 #   7 (nothing)                         bash scripts/gpu_product.sh train
 #   8 (nothing)                         bash scripts/gpu_product.sh evaluate
+# The trainer's benchmarks start no server: on the same machine after 5 (.gpu_wheels then also holds
+# specforge-0.2.0-py3-none-any.whl), each under the 10 minutes a command may run:
+#   9 (nothing)                         bash scripts/gpu_product.sh trainer
+#  10 (nothing)                         bash scripts/gpu_product.sh loader
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
 # command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
@@ -28,6 +32,15 @@
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
 #   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
+#   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
+#               and inputs (loss agreement, tokens/s, peak memory) at 1x2048 4x2048 1x8192 2x16384, then the long rows
+#               1x32768 2x32768 (TRAINER_SHAPES overrides). Runs on the machine's torch, Triton and transformers
+#               with the project's imports (pydantic from the SGLang site, redis-py and boto3 from .sgl_s: after
+#               the stages above and `deps`), plus specforge-0.2.0-py3-none-any.whl in .gpu_wheels (`deps` installs
+#               it); no SGLang server.
+#   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
+#               against a raw read of the same files, with a 200 ms step: GB/s and how long each step waited (the
+#               project's storage code: the .sgl_s stack carry and `deps` give it Celery, redis-py and boto3)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS (more arguments), OUT (where results go back).
 set -uo pipefail
@@ -97,6 +110,18 @@ from rich.console import Console
 from eagle3.engine_eval import engine_table
 Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json'))))" || true
     (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
+    [ $rc = 0 ] || exit $rc ;;
+  trainer)
+    # The JSON is rewritten after every shape: a run cut short by the command's limit still brings its rows back.
+    timeout 540 python3 -m bench.vs_specforge --dims llama3-8b \
+      --shapes ${TRAINER_SHAPES:-1x2048 4x2048 1x8192 2x16384 1x32768 2x32768} --out "$OUTD/vs_specforge.json" \
+      > "$OUTD/vs_specforge.log" 2>&1
+    rc=$?; grep -v -i warn "$OUTD/vs_specforge.log" | tail -n 40
+    [ $rc = 0 ] || exit $rc ;;
+  loader)
+    timeout 540 python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 --samples 256 --batch-tokens 16384 \
+      --io-threads 16 --storage local --step-ms 0,200 --repeats 3 --json "$OUTD/loader.json" > "$OUTD/loader.log" 2>&1
+    rc=$?; tail -n 40 "$OUTD/loader.log"
     [ $rc = 0 ] || exit $rc ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
