@@ -45,6 +45,7 @@ pytestmark = [pytest.mark.compose, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
 # What a checkout needs for `docker compose build` and `up` (the build context is narrowed by .dockerignore).
+CPU_DRAFT_VOCAB_SIZE = 2048  # the demo's: a drafter that trains at CPU speed
 PROJECT_FILES = ("docker-compose.yml", ".env.example", ".dockerignore", "pyproject.toml", "README.md")
 PROJECT_DIRS = ("docker", "shared", "services", "eagle3")
 FINISHED = {"completed", "completed_with_errors", "cancelled", "failed"}
@@ -288,7 +289,9 @@ def test_three_workers_share_a_job(stack: Stack, tmp_path: Path, smollm2_dir: Pa
 
     dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=1)
     started = time.monotonic()
-    job = stack.submit(dataset, shard_token_budget=256)
+    # The trainer below trains on this job: a draft vocabulary sized for a CPU, as `make demo` uses (the default
+    # 32,000 trains at about 80 tokens/s on 2 cores, SmolLM2's step being mostly the draft vocabulary's logits).
+    job = stack.submit(dataset, shard_token_budget=256, draft_vocab_size=CPU_DRAFT_VOCAB_SIZE)
     progress = stack.wait_finished(job["job_id"], timeout_s=600)
     TIMINGS_S[f"job 2: 24 conversations, {job['shards_total']} shards, 3 workers"] = time.monotonic() - started
     assert progress["state"] == "completed", progress

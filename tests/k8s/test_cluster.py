@@ -33,7 +33,15 @@ from shared.data.demo_data import write_demo_dataset
 from shared.lifecycle.jobs import load_job
 from shared.lifecycle.queue import SHARD_QUEUE
 from shared.storage.objects import Storage, open_storage
-from tests.compose.test_stack import EXPORT_JOB, FINISHED, check_job, held_shard_container, manifests_of, wait_for
+from tests.compose.test_stack import (
+    CPU_DRAFT_VOCAB_SIZE,
+    EXPORT_JOB,
+    FINISHED,
+    check_job,
+    held_shard_container,
+    manifests_of,
+    wait_for,
+)
 from tests.deploy.tools import K8S, render_kustomization
 from tests.fixtures.processes import free_port
 from tests.k8s.conftest import CLUSTER_TOOL, REPO, TIMINGS_S
@@ -443,7 +451,7 @@ def test_three_workers_share_a_job(cluster: Cluster, tmp_path: Path, smollm2_dir
 
     dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=4)
     started = time.monotonic()
-    job = cluster.submit(dataset, shard_token_budget=256)
+    job = cluster.submit(dataset, shard_token_budget=256, draft_vocab_size=CPU_DRAFT_VOCAB_SIZE)  # trained below
     JOBS["three workers"] = job["job_id"]
     progress = cluster.wait_finished(job["job_id"], timeout_s=600)
     TIMINGS_S[f"job 2: 24 conversations, {job['shards_total']} shards, 3 workers"] = time.monotonic() - started
