@@ -3,10 +3,13 @@
 from urllib.parse import urlparse
 
 from celery import Celery
+from celery.signals import worker_shutting_down
 
-from services.worker import broker
+from services.worker import broker, shutdown
 from shared.lifecycle.queue import SHARD_QUEUE
 from shared.settings import get_settings
+
+BROKER_SOCKET_TIMEOUT_S = 10.0
 
 settings = get_settings()
 app = Celery("eagle3", broker=settings.redis_url, include=["services.worker.tasks"])
@@ -16,6 +19,12 @@ transport_options = {
     # sweep is about 100 s; one cheap Redis query per interval).
     "unacked_restore_interval": settings.redelivery_sweep_s,
     "unacked_restore_throttle": 1,
+    # A broker that stops answering (its node gone, a partition, its Service deleted) must not hold a read forever:
+    # the event loop blocks in it, and a SIGTERM then waits for the pod's grace period (seen: 7 minutes). The
+    # consuming BRPOP waits 1 s server-side, well inside these.
+    "socket_timeout": BROKER_SOCKET_TIMEOUT_S,
+    "socket_connect_timeout": BROKER_SOCKET_TIMEOUT_S,
+    "socket_keepalive": True,
 }
 app.conf.update(
     task_acks_late=True,  # a shard is acknowledged only after its manifest is committed
@@ -40,6 +49,7 @@ app.conf.update(
 if urlparse(settings.redis_url).scheme in broker.SCHEMES:
     app.conf.broker_transport = broker.TRANSPORT  # survives a lost connection while holding messages: see broker.py
 
+worker_shutting_down.connect(shutdown.start_broker_watchdog)  # a silent broker cannot hold a shutdown: see shutdown.py
 app.steps["consumer"].add("services.worker.heartbeat:ConsumingHeartbeat")  # liveness file: see heartbeat.py
 app.steps["consumer"].add("services.worker.presence:WorkerPresence")  # worker registry and shard metrics
 app.steps["consumer"].add("services.worker.leasing:LeaseKeeper")  # shard leases and their reaper: see leasing.py

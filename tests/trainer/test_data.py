@@ -123,6 +123,8 @@ def test_follow_takes_shards_committed_after_start_and_ends_with_the_job(
     assert sorted(s.key for b in planned for s in b.samples) == sorted(expected_keys)
     assert set(follower.manifests) == set(range(job.shards_total - 1))
     assert follower.dead_lettered == {job.shards_total - 1}
+    assert follower.mark is not None
+    follower.mark.stop()  # as the trainer does once it has read the job (its refresh thread would outlive the test)
 
 
 def test_heldout_shards_never_train(job: JobRecord, storage: Storage, redis_url: str) -> None:
