@@ -109,7 +109,8 @@ class Settings(BaseSettings):
         default=60.0,
         gt=0,
         description="a shard's Redis calls retry for about this long through a Redis outage (restart, failover); "
-        "a longer outage hands the shard back to the lease reaper",
+        "a longer outage hands the shard back to the lease reaper. A worker told to stop exits once Redis has not "
+        "answered for this long",
     )
 
     # Producer API
