@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -76,31 +77,31 @@ def random_batch(shape: Shape, batch_size: int, seq_len: int, generator: torch.G
     )
 
 
-def measure(shape: Shape, batch_size: int, seq_len: int, *, device: torch.device, warmup: int, steps: int) -> dict:
-    config = TrainConfig(job_id="bench", lr=1e-4)
-    torch.manual_seed(0)
+def random_models(shape: Shape, seed: int = 0) -> tuple[Eagle3Drafter, TargetHead]:
+    """A fresh drafter with a random draft vocabulary (sorted target ids, as vocab_mapping.pt would give) and a random
+    target head, in fp32 on the CPU."""
+    torch.manual_seed(seed)
     drafter = Eagle3Drafter(drafter_config(shape))
-    # A random draft vocabulary (sorted target ids), as vocab_mapping.pt would give.
     target_ids = torch.randperm(shape.vocab_size)[: shape.draft_vocab_size].sort().values
     drafter.d2t.copy_(target_ids - torch.arange(shape.draft_vocab_size))
     drafter.t2d.zero_()
     drafter.t2d[target_ids] = True
-    target_head = TargetHead(torch.randn(shape.vocab_size, shape.hidden_size) * 0.02)
+    return drafter, TargetHead(torch.randn(shape.vocab_size, shape.hidden_size) * 0.02)
+
+
+def trainer_step(
+    drafter: Eagle3Drafter, target_head: TargetHead, device: torch.device, total_steps: int
+) -> Callable[[Batch], None]:
+    """The trainer's own optimizer step on one micro-batch (its placement, TTT objective, AdamW, schedule and
+    clipping, at TrainConfig's defaults), with the models placed on `device`."""
+    config = TrainConfig(job_id="bench", lr=1e-4)
     place_models(drafter, target_head, device)
     objective = TTTObjective(drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay)
     optimizer = build_optimizer(drafter, config)
-    scheduler = build_scheduler(optimizer, config, total_steps=warmup + steps)
+    scheduler = build_scheduler(optimizer, config, total_steps=total_steps)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    generator = torch.Generator().manual_seed(0)
-    batches = [random_batch(shape, batch_size, seq_len, generator) for _ in range(2)]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for step in range(warmup + steps):
-        batch = batches[step % len(batches)].to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
+
+    def step(batch: Batch) -> None:
         train_step(
             objective,
             [batch],
@@ -112,9 +113,27 @@ def measure(shape: Shape, batch_size: int, seq_len: int, *, device: torch.device
             ttt_length=config.ttt_length,
             device=device,
         )
+
+    return step
+
+
+def measure(shape: Shape, batch_size: int, seq_len: int, *, device: torch.device, warmup: int, steps: int) -> dict:
+    drafter, target_head = random_models(shape)
+    step = trainer_step(drafter, target_head, device, total_steps=warmup + steps)
+    generator = torch.Generator().manual_seed(0)
+    batches = [random_batch(shape, batch_size, seq_len, generator) for _ in range(2)]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i in range(warmup + steps):
+        batch = batches[i % len(batches)].to(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if step >= warmup:
+        started = time.perf_counter()
+        step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
             times.append(time.perf_counter() - started)
     step_s = statistics.median(times)
     return {
@@ -125,7 +144,7 @@ def measure(shape: Shape, batch_size: int, seq_len: int, *, device: torch.device
         "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if device.type == "cuda"
         else None,
-        "trainable_params": sum(p.numel() for p in params),
+        "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
         "step_ms_all": [round(t * 1000, 2) for t in times],
     }
 

@@ -38,12 +38,11 @@ from typing import Any
 
 import torch
 
-from bench.trainer_throughput import SHAPES, Shape, drafter_config
+from bench.trainer_throughput import SHAPES, Shape, random_models, trainer_step
 from services.trainer.config import TrainConfig
 from services.trainer.drafter import Eagle3Drafter, TargetHead
 from services.trainer.export import sglang_config
 from services.trainer.loss import Batch, shift_left, ttt_loss
-from services.trainer.step import TTTObjective, build_optimizer, build_scheduler, train_step
 
 DIMS = {
     "llama3-8b": SHAPES["llama3-8b"],
@@ -63,17 +62,12 @@ class Models:
 
 
 def build_models(shape: Shape, seed: int = 0) -> Models:
-    """Our drafter with a random draft vocabulary (sorted target ids, as vocab_mapping.pt gives) and a random target
-    head at the scale of a trained one, in fp32 on the CPU."""
-    torch.manual_seed(seed)
-    drafter = Eagle3Drafter(drafter_config(shape))
-    target_ids = torch.randperm(shape.vocab_size)[: shape.draft_vocab_size].sort().values
-    drafter.d2t.copy_(target_ids - torch.arange(shape.draft_vocab_size))
-    drafter.t2d.zero_()
-    drafter.t2d[target_ids] = True
-    weight = torch.randn(shape.vocab_size, shape.hidden_size) * 0.02
-    weight[target_ids] *= 2  # the draft vocabulary holds most of the target's greedy tokens, as a real one does
-    return Models(drafter, TargetHead(weight), shape)
+    """The throughput benchmark's random drafter and target head, with the head's draft-vocabulary rows made larger
+    so that most of the target's greedy tokens are in the draft vocabulary, as in a real one."""
+    drafter, target_head = random_models(shape, seed)
+    target_ids = drafter.d2t + torch.arange(shape.draft_vocab_size)
+    target_head.weight.data[target_ids] *= 2
+    return Models(drafter, target_head, shape)
 
 
 def random_batch(shape: Shape, batch_size: int, seq_len: int, seed: int) -> Batch:
@@ -167,7 +161,8 @@ def loss_agreement(models: Models, batch: Batch, *, device: torch.device, attent
     drafter = models.drafter.to(device)
     target_head = models.target_head.to(device)
     ours = ttt_loss(drafter, target_head, batch.to(device), ttt_length=len(their_sums))
-    drafter.cpu(), target_head.cpu()
+    drafter.cpu()
+    target_head.cpu()
     our_sums = [loss * rows for loss, rows in zip(ours.step_losses, ours.step_num_tokens, strict=True)]
     steps = []
     for i, (our_sum, their_sum) in enumerate(zip(our_sums, their_sums, strict=True)):
@@ -226,32 +221,12 @@ def timed_steps(step: Callable[[int], None], *, device: torch.device, warmup: in
 
 
 def measure_ours(models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int) -> dict:
-    config = TrainConfig(job_id="bench", lr=1e-4)
-    drafter, target_head = models.drafter, models.target_head
-    drafter.to(device=device, dtype=torch.float32)
-    # The trainer's own placement: the frozen head in bf16 on GPU (place_models), fp32 on CPU.
-    target_head.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    objective = TTTObjective(drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay)
-    optimizer = build_optimizer(drafter, config)
-    scheduler = build_scheduler(optimizer, config, total_steps=warmup + steps)
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    step = trainer_step(models.drafter, models.target_head, device, total_steps=warmup + steps)
     on_device = [b.to(device) for b in batches]
-
-    def step(i: int) -> None:
-        train_step(
-            objective,
-            [on_device[i % len(on_device)]],
-            optimizer=optimizer,
-            scheduler=scheduler,
-            params=params,
-            loss_scale=1.0,
-            max_grad_norm=config.max_grad_norm,
-            ttt_length=config.ttt_length,
-            device=device,
-        )
-
-    result = timed_steps(step, device=device, warmup=warmup, steps=steps)
-    drafter.cpu(), target_head.cpu()  # the shared weights leave the GPU to the other side (the rest goes with us)
+    result = timed_steps(lambda i: step(on_device[i % len(on_device)]), device=device, warmup=warmup, steps=steps)
+    # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
+    models.drafter.cpu()
+    models.target_head.cpu()
     return result
 
 
