@@ -296,6 +296,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--regenerate-max-new-tokens", type=int, help="per regenerated turn (default 64; 384 with --gpu)")
     p.add_argument(
-        "--regenerate-shard-size", type=int, help="conversations per regeneration shard (default 8; 128 with --gpu)"
+        "--regenerate-shard-size", type=int, help="conversations per regeneration shard (default 8; 512 with --gpu)"
     )
     p.set_defaults(func=cmd_demo)

@@ -43,19 +43,25 @@ from shared.storage import layout
 from shared.storage.objects import open_storage
 
 SGLANG_START_TIMEOUT_S = 900.0  # kernels compile and CUDA graphs are captured at first start
-# Chains of 7, 5 and 3 drafts: a small target's verify step is cheap, so a shorter chain can serve faster.
-DEFAULT_SWEEP = [SpeculativeConfig(7, 1, 8), SpeculativeConfig(5, 1, 6), SpeculativeConfig(3, 1, 4)]
+# Chains of 7 and 5 drafts. A chain of 3 served slowest of the three in both H200 runs (docs/benchmarks.md): a
+# speculative step's cost is mostly fixed, so fewer drafts save little and accept less.
+DEFAULT_SWEEP = [SpeculativeConfig(7, 1, 8), SpeculativeConfig(5, 1, 6)]
 # Sized for one H200 and a small target: shards of seconds, not milliseconds, of the server's work (docs/benchmarks.md).
 GPU_DEFAULTS = {
     "workers": 4,
     "max_length": 2048,
     "shard_token_budget": 65536,
     "draft_vocab_size": 16384,
-    "regenerate_max_new_tokens": 384,
-    "regenerate_shard_size": 128,
+    # A quarter of the 384-token answers were cut while repeating themselves; shorter answers are more prompts.
+    "regenerate_max_new_tokens": 256,
+    # Four times the conversations a worker decodes at once: a shard the size of its thread pool left each worker
+    # waiting on its longest multi-turn chat (four answers one after another) with most threads idle, a third of
+    # the server's batch on average (13.4K tokens/s on the H200, 2026-12-04); with more queued, a finished
+    # conversation's thread takes the next one and only the shard's last chains run alone.
+    "regenerate_shard_size": 512,
     "eval_max_new_tokens": 128,
     "train_batch_tokens": 32768,
-    "train_seconds": 240,
+    "train_seconds": 300,
 }
 
 
@@ -351,7 +357,7 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu", action="store_true", help="the whole pipeline on this machine's GPU with SGLang")
     group.add_argument("--dataset", help="training prompts (any dataset format); default: the built prompt mix")
     group.add_argument("--eval-prompts-file", action="append", help="a held-out prompt set; repeat")
-    group.add_argument("--prompts", type=int, default=4000, help="training prompts of the built mix")
+    group.add_argument("--prompts", type=int, default=16000, help="training prompts of the built mix")
     group.add_argument("--holdout-prompts", type=int, default=32, help="prompts per held-out set of the built mix")
     group.add_argument("--sglang-python", default=sys.executable, help="the Python that has SGLang and the plugin")
     group.add_argument("--sglang-args", default="", help="more arguments for the capture server's SGLang")
@@ -367,7 +373,7 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
         action="append",
         type=speculative_setting,
         metavar="STEPS,TOPK,DRAFT_TOKENS",
-        help="serving settings to evaluate (default 7,1,8, 5,1,6 and 3,1,4); repeat to sweep",
+        help="serving settings to evaluate (default 7,1,8 and 5,1,6); repeat to sweep",
     )
     group.add_argument("--eval-concurrency", type=int, default=16)
     group.add_argument(

@@ -3,30 +3,32 @@
 # ../shared/tools/sglang-h200/sglang_device.sh (stage ... install smollm2). Run from the repository root there:
 #   bash scripts/gpu_product.sh STEP [STEP...]
 #
-# The whole run, as five carries and three stage commands (2026-12-03; each carry under the 64 MiB a command may
-# send, the folders made here first by make_sglang_carry.sh flashmla model stack (again after the project's code
-# changed: .sgl_b2 carries the capture plugin built from it), and by
-# `eagle3 prompts --out .gpu_data --train 4000 --eval 24` plus the wheels in .gpu_wheels):
-#   1 carry .sgl_b1 .sgl_fm             bash .sgl_b1/sglang_device.sh stage preflight
-#   2 carry .sgl_b2 .gpu_data           bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
-#   3 carry .sgl_m1                     bash /tmp/sglang_device.sh stage
-#   4 carry .sgl_s .gpu_wheels          bash /tmp/sglang_device.sh stage; bash scripts/gpu_product.sh keep
-#   5 carry .sgl_m2                     bash /tmp/sglang_device.sh stage install smollm2; bash scripts/gpu_product.sh deps
-#   6 (nothing)                         bash scripts/gpu_product.sh extract
-#   7 (nothing)                         bash scripts/gpu_product.sh train
-#   8 (nothing)                         bash scripts/gpu_product.sh evaluate
-# The trainer's benchmarks start no server: on the same machine after 5 (.gpu_wheels then also holds
+# The whole run, as four carries and three stage commands (each call's carries plus the checkout under the 64 MiB a
+# command may send). Made here first: the folders of make_sglang_carry.sh flashmla model stack (again after the
+# project's code changed: .sgl_b2 carries the capture plugin built from it), with the stack's wheels moved into the
+# model's halves (botocore to .sgl_m1, the rest to .sgl_m2: the device script stages every .sgl_m* wheel as it
+# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 16000 --eval 24`, then `gzip .gpu_data/*`)
+# and the small wheels in .gpu_wheels:
+#   1 carry .sgl_b1 .sgl_fm                     bash .sgl_b1/sglang_device.sh stage
+#   2 carry .sgl_b2                             bash /tmp/sglang_device.sh stage
+#   3 carry .sgl_m1                             bash /tmp/sglang_device.sh stage
+#   4 carry .sgl_m2 .gpu_wheels .gpu_data       bash /tmp/sglang_device.sh stage install smollm2;
+#                                               bash scripts/gpu_product.sh keep deps
+#   5 (nothing)                                 bash scripts/gpu_product.sh extract
+#   6 (nothing)                                 bash scripts/gpu_product.sh train
+#   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
+# The trainer's benchmarks start no server: on the same machine after 4 (.gpu_wheels then also holds
 # specforge-0.2.0-py3-none-any.whl), each under the 10 minutes a command may run:
-#   9 (nothing)                         bash scripts/gpu_product.sh trainer
-#  10 (nothing)                         bash scripts/gpu_product.sh loader
+#   8 (nothing)                                 bash scripts/gpu_product.sh trainer
+#   9 (nothing)                                 bash scripts/gpu_product.sh loader
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
 # command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
 # --resume` goes on from the report the stage before wrote. The machine is given back 30 s after a command ends (and
 # its start counts about 4.5 device-minutes): make the calls back to back, and fix nothing in between.
 # Steps:
-#   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp (a later command that does not carry them
-#               finds them there)
+#   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp, unpacking gzipped files (a later command
+#               that does not carry them finds them there)
 #   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
 #   extract     `eagle3 demo --gpu --until extraction`: the stack, regeneration, extraction, SGLang's own rates
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
@@ -65,6 +67,7 @@ for step in "$@"; do
   case $step in
   keep)
     for d in .gpu_wheels .gpu_data; do [ -d "$d" ] && mkdir -p "/tmp/${d#.}" && cp -r "$d"/. "/tmp/${d#.}/"; done
+    for f in "$DATA"/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
     ls -la "$WHEELS" "$DATA" ;;
   deps)
     [ -d "$WHEELS" ] || { echo "no $WHEELS"; continue; }
