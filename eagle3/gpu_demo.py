@@ -42,6 +42,8 @@ from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import open_storage
 
+# The held-out sets are code and chat: most of the mix is too (the CPU default gives instructions a quarter).
+GPU_DEMO_MIX = "chat=0.45,code=0.45,instructions=0.1"
 SGLANG_START_TIMEOUT_S = 900.0  # kernels compile and CUDA graphs are captured at first start
 # Chains of 7 and 5 drafts. A chain of 3 served slowest of the three in both H200 runs (docs/benchmarks.md): a
 # speculative step's cost is mostly fixed, so fewer drafts save little and accept less.
@@ -278,10 +280,15 @@ def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[P
     """The training prompts and the held-out evaluation sets: given, or the mix built from installed packages."""
     if args.dataset:
         return Path(args.dataset).resolve(), [Path(f).resolve() for f in args.eval_prompts_file]
-    from shared.data.prompt_mix import build_prompt_mix
+    from shared.data.prompt_mix import build_prompt_mix, parse_mix
 
     try:
-        mix = build_prompt_mix(demo_dir / "prompts", train_prompts=args.prompts, eval_prompts=args.holdout_prompts)
+        mix = build_prompt_mix(
+            demo_dir / "prompts",
+            train_prompts=args.prompts,
+            eval_prompts=args.holdout_prompts,
+            mix=parse_mix(args.mix),
+        )
     except ConfigurationError as exc:
         raise SystemExit(f"demo failed: {exc}") from exc
     return mix.train_path.resolve(), [mix.eval_code_path.resolve(), mix.eval_chat_path.resolve()]
@@ -358,6 +365,7 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", help="training prompts (any dataset format); default: the built prompt mix")
     group.add_argument("--eval-prompts-file", action="append", help="a held-out prompt set; repeat")
     group.add_argument("--prompts", type=int, default=16000, help="training prompts of the built mix")
+    group.add_argument("--mix", default=GPU_DEMO_MIX, help=f"shares of the built mix (default {GPU_DEMO_MIX})")
     group.add_argument("--holdout-prompts", type=int, default=32, help="prompts per held-out set of the built mix")
     group.add_argument("--sglang-python", default=sys.executable, help="the Python that has SGLang and the plugin")
     group.add_argument("--sglang-args", default="", help="more arguments for the capture server's SGLang")

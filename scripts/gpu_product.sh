@@ -7,7 +7,8 @@
 # command may send). Made here first: the folders of make_sglang_carry.sh flashmla model stack (again after the
 # project's code changed: .sgl_b2 carries the capture plugin built from it), with the stack's wheels moved into the
 # model's halves (botocore to .sgl_m1, the rest to .sgl_m2: the device script stages every .sgl_m* wheel as it
-# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 16000 --eval 24`, then `gzip .gpu_data/*`)
+# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 16000 --eval 24 --mix
+# chat=0.45,code=0.45,instructions=0.1`, the GPU demo's mix, then `gzip .gpu_data/*`)
 # and the small wheels in .gpu_wheels:
 #   1 carry .sgl_b1 .sgl_fm                     bash .sgl_b1/sglang_device.sh stage
 #   2 carry .sgl_b2                             bash /tmp/sglang_device.sh stage
