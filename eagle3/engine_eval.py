@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -369,7 +369,15 @@ def evaluate_on_engine(
             results, headline = measure_launched(target, drafters, prompt_sets, options, work), options.settings[0]
         if options.compare_own:
             try:
-                _compare_with_own(results, drafters, prompt_sets, target, headline, options.max_new_tokens)
+                _compare_with_own(
+                    results,
+                    drafters,
+                    prompt_sets,
+                    target,
+                    headline,
+                    options.max_new_tokens,
+                    on_measured=lambda: write_partial(work, results),
+                )
             except Exception as exc:  # SGLang's numbers stand without ours; say why ours are missing
                 logger.exception("the project's own acceptance could not be measured")
                 for result in results:
@@ -454,8 +462,7 @@ def measure_launched(
             plain = runs
             return
         results.extend(_rows(drafter, setting, runs, plain))
-        # Minutes of GPU per server: what was measured survives whatever comes next.
-        (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
+        write_partial(work, results)
 
     # One server at a time, each with the whole GPU: SGLang 0.5.23 profiles the free memory before and after loading
     # its weights, so servers starting side by side see each other's KV pools as their own weights and refuse to
@@ -464,6 +471,12 @@ def measure_launched(
         with server_processes([launch], python=options.sglang_python) as (url,):
             measure(drafter_name, server_setting, url)
     return results
+
+
+def write_partial(work: Path, results: list[EngineResult]) -> None:
+    """Minutes of GPU per server, and per drafter of our own decoding: what was measured survives whatever comes
+    next (a lent machine's command limit, say)."""
+    (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
 
 
 def serving_args(
@@ -520,6 +533,7 @@ def _compare_with_own(
     target: Path,
     headline: SpeculativeConfig,
     max_new_tokens: int,
+    on_measured: Callable[[], None] = lambda: None,
 ) -> None:
     """The project's own speculative decoding of the same prompts, once per drafter and file, at the headline
     setting when it is a chain (a Python loop of one prompt at a time: minutes on a GPU, so not for a whole sweep)."""
@@ -541,6 +555,7 @@ def _compare_with_own(
             for result in results:
                 if (result.drafter, result.file, result.setting) == (name, file, headline.label):
                     result.compare_with_own(own)
+            on_measured()
 
 
 def best_setting(results: list[EngineResult]) -> dict[str, Any] | None:
