@@ -18,9 +18,11 @@
 #   5 (nothing)                                 bash scripts/gpu_product.sh extract
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
-# The trainer's benchmarks start no server: on the same machine after 4 (.gpu_wheels then also holds
-# specforge-0.2.0-py3-none-any.whl), each under the 10 minutes a command may run:
-#   8 (nothing)                                 bash scripts/gpu_product.sh trainer
+# The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
+# some small wheels: after 4 (.gpu_wheels then also holds specforge-0.2.0-py3-none-any.whl), or on a fresh machine
+# with one carry, .gpu_trainer (28 MiB: the stack's wheels, pydantic's five from .sgl_b2 and .gpu_wheels), each under
+# the 10 minutes a command may run:
+#   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps trainer
 #   9 (nothing)                                 bash scripts/gpu_product.sh loader
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
