@@ -1,6 +1,8 @@
 """The multi-GPU benchmark's trainer path, run on CPUs (gloo) so that the GPU host only has to run it."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +17,17 @@ def test_trainer_scaling_run_matches_one_process_and_reports(tmp_path: Path) -> 
     command = [sys.executable, "-m", "bench.multi_gpu", "trainer", "--gpus", "2", "--shape", "small",
                "--device", "cpu", "--steps", "4", "--warmup", "1", "--seq-len", "64", "--batch-tokens", "128",
                "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # A session of its own: on a timeout the whole group goes, torchrun's worker processes with it (subprocess.run's
+    # timeout kills only the direct child, and two ranks left waiting on each other outlived the suite once).
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
 
     report = json.loads((tmp_path / "out" / "multi_gpu_trainer.json").read_text())
     assert report["gpus"] == 2 and len(report["losses_n_processes"]) == 4
