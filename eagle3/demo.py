@@ -294,8 +294,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="rewrite the assistant turns with the target first (default; EAGLE3_DEMO_REGENERATE=0 turns it off)",
     )
-    p.add_argument("--regenerate-max-new-tokens", type=int, help="per regenerated turn (default 64; 384 with --gpu)")
+    p.add_argument("--regenerate-max-new-tokens", type=int, help="per regenerated turn (default 64; 256 with --gpu)")
     p.add_argument(
-        "--regenerate-shard-size", type=int, help="conversations per regeneration shard (default 8; 512 with --gpu)"
+        "--regenerate-shard-size",
+        type=int,
+        help="conversations per regeneration shard (default 8; with --gpu from the prompts and workers, <= 512)",
     )
     p.set_defaults(func=cmd_demo)

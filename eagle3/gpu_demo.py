@@ -13,6 +13,7 @@ prompt sets training never saw, one of code and one of chat. The report gives ea
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -56,11 +57,6 @@ GPU_DEFAULTS = {
     "draft_vocab_size": 16384,
     # A quarter of the 384-token answers were cut while repeating themselves; shorter answers are more prompts.
     "regenerate_max_new_tokens": 256,
-    # Four times the conversations a worker decodes at once: a shard the size of its thread pool left each worker
-    # waiting on its longest multi-turn chat (four answers one after another) with most threads idle, a third of
-    # the server's batch on average (13.4K tokens/s on the H200, 2026-12-04); with more queued, a finished
-    # conversation's thread takes the next one and only the shard's last chains run alone.
-    "regenerate_shard_size": 512,
     "eval_max_new_tokens": 128,
     "train_batch_tokens": 32768,
     "train_seconds": 300,
@@ -182,7 +178,16 @@ def extract_through_the_stack(
         ) as stack:
             report["stack_start_seconds"] = round(time.monotonic() - stack_started, 1)
             with stack.api_client() as api:
-                console.print(f"[bold]3/5[/] regenerating every answer (greedy, <= {args.regenerate_max_new_tokens})")
+                if args.regenerate_shard_size is None:
+                    with dataset.open("rb") as lines:
+                        conversations = sum(1 for line in lines if line.strip())
+                    args.regenerate_shard_size = regeneration_shard_size(
+                        conversations, args.workers, args.regenerate_concurrency
+                    )
+                console.print(
+                    f"[bold]3/5[/] regenerating every answer (greedy, <= {args.regenerate_max_new_tokens} tokens, "
+                    f"shards of {args.regenerate_shard_size} conversations)"
+                )
                 report["regeneration"] = regenerate_demo_data(api, extraction, settings, stack, args)
                 job_id = report["regeneration"]["chained_job_id"]
                 console.print("      extracting the regenerated conversations")
@@ -211,6 +216,17 @@ def extract_through_the_stack(
         raise SystemExit(f"demo failed: {exc}") from exc
     report["extraction"] = completed_extraction(p, job, settings, model, extract_seconds, args.workers)
     return report
+
+
+def regeneration_shard_size(conversations: int, workers: int, concurrency: int) -> int:
+    """Conversations per regeneration shard when --regenerate-shard-size is not given: up to four times what a
+    worker decodes at once, and at least two shards per worker so that none idles while the others work.
+
+    A shard the size of the worker's thread pool (128 / 128 on the H200, 2026-12-04) left each worker waiting on
+    its longest multi-turn chat, four answers one after another, with most threads idle: a third of the server's
+    batch on average, 13.4K tokens/s. With more conversations queued than threads, a finished conversation's
+    thread takes the next one, and only the shard's last chains run alone."""
+    return max(1, min(4 * concurrency, math.ceil(conversations / (2 * workers))))
 
 
 def capture_server_argv(args: argparse.Namespace) -> list[str]:

@@ -7,7 +7,7 @@ import pytest
 
 from eagle3 import cli
 from eagle3.demo import CPU_DEFAULTS, apply_defaults
-from eagle3.gpu_demo import GPU_DEFAULTS, capture_server_argv, stage_summary
+from eagle3.gpu_demo import GPU_DEFAULTS, capture_server_argv, regeneration_shard_size, stage_summary
 from tests.unit.test_engine_eval import sglang_parse
 
 
@@ -21,7 +21,23 @@ def test_gpu_sizes_apply_only_with_gpu_and_flags_win() -> None:
     apply_defaults(gpu, GPU_DEFAULTS)
     assert (cpu.workers, cpu.shard_token_budget, cpu.draft_vocab_size) == (2, 2048, 2048)
     assert (gpu.workers, gpu.shard_token_budget, gpu.draft_vocab_size) == (8, 65536, 16384)
-    assert set(CPU_DEFAULTS) <= set(GPU_DEFAULTS)  # every size the CPU demo fixes, the GPU demo sizes too
+    # Every size the CPU demo fixes, the GPU demo sizes too: as a default, or from the prompts (the shard size).
+    assert set(CPU_DEFAULTS) <= set(GPU_DEFAULTS) | {"regenerate_shard_size"}
+
+
+@pytest.mark.parametrize(
+    ("conversations", "shard_size"),
+    [
+        (16000, 512),  # four times the 128 in flight per worker: threads take queued conversations as others finish
+        (2000, 250),  # two shards per worker, none idle
+        (100, 13),
+        (1, 1),
+    ],
+)
+def test_gpu_regeneration_shards_queue_more_than_a_worker_decodes_but_leave_no_worker_idle(
+    conversations: int, shard_size: int
+) -> None:
+    assert regeneration_shard_size(conversations, workers=4, concurrency=128) == shard_size
 
 
 def test_the_report_sets_each_stage_against_sglangs_own_rate() -> None:
