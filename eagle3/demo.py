@@ -27,7 +27,8 @@ EVALUATION_RESERVE_S = 150.0
 MIN_TRAIN_SECONDS = 60.0
 
 
-# Defaults of the options that the GPU demo sizes differently (eagle3/gpu_demo.py GPU_DEFAULTS).
+# Defaults of the options that the GPU demo sizes differently (eagle3/gpu_demo.py: GPU_DEFAULTS, and the
+# regeneration shard size from the prompts).
 CPU_DEFAULTS = {
     "workers": 2,
     "max_length": 1024,
