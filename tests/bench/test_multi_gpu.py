@@ -1,13 +1,13 @@
 """The multi-GPU benchmark's trainer path, run on CPUs (gloo) so that the GPU host only has to run it."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fixtures.processes import kill_if_running
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -24,9 +24,7 @@ def test_trainer_scaling_run_matches_one_process_and_reports(tmp_path: Path) -> 
     try:
         stdout, stderr = process.communicate(timeout=300)
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        kill_if_running(process, group=True)
     assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
 
     report = json.loads((tmp_path / "out" / "multi_gpu_trainer.json").read_text())

@@ -17,7 +17,7 @@ from celery import Celery
 from services.worker.shutdown import EXIT_BROKER_SILENT
 from shared.lifecycle.queue import SHARD_QUEUE, task_name
 from shared.settings import Settings
-from tests.fixtures.processes import start_worker, wait_until
+from tests.fixtures.processes import kill_if_running, start_worker, wait_until
 from tests.fixtures.silent_proxy import SilentProxy
 
 UNACKED = "unacked"  # kombu's Redis hash of delivered, unacknowledged messages
@@ -63,9 +63,7 @@ def test_idle_worker_exits_without_the_soft_timeout_and_requeues_a_held_retry(re
             process.wait(timeout=soft_timeout_s + 30)
             stopped_after_s = time.monotonic() - stop_sent
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            kill_if_running(process)
             sender.close()
     output = log_path.read_text()
     assert process.returncode == 0, output[-3000:]
@@ -95,9 +93,7 @@ def test_a_worker_whose_broker_went_silent_still_stops(redis_url: str, tmp_path:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=outage_wait_s + WATCHDOG_MARGIN_S)  # TimeoutExpired: still waiting on the broker
         finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            kill_if_running(process)
             proxy.close()
     output = log_path.read_text()
     assert process.returncode in (0, EXIT_BROKER_SILENT), output[-3000:]

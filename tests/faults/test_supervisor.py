@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.fixtures.processes import default_sigint, free_port, wait_until
+from tests.fixtures.processes import default_sigint, free_port, kill_if_running, wait_until
 
 pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +65,4 @@ def test_up_restarts_a_dead_worker_and_keeps_the_rest(tiny_model_dir: Path, tmp_
         for pid in [*before.values()]:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+        kill_if_running(up)
