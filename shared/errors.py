@@ -21,6 +21,11 @@ class SubmitError(Eagle3Error):
     """A job cannot be submitted (missing dataset or model, unreachable storage or queue)."""
 
 
+class JobExists(SubmitError):
+    """A submit names a job id that is taken: the job exists, or its earlier submit got as far as job.json (a reaper
+    finishes that one's publishing)."""
+
+
 class DependencyUnavailable(SubmitError):
     """Redis or storage cannot be reached at submit time."""
 

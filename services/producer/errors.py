@@ -8,9 +8,10 @@ whether it is read, cancelled, resumed or charted).
 | OverBudget (a job projected over the storage budget) | 413 |
 | DependencyUnavailable (Redis or storage down at submit), a Redis outage, StorageUnavailable | 503, Retry-After |
 | SubmitError (any other bad submit) | 422 |
-| DeleteRefused (a job that runs or a trainer follows), JobDeleting (a resume of a job being deleted) | 409 |
+| JobExists (a taken job id), DeleteRefused (a job runs or is followed), JobDeleting (a resume of one deleting) | 409 |
 
-Starlette picks the handler of the most specific class, so OverBudget and DependencyUnavailable are not 422s.
+Starlette picks the handler of the most specific class, so OverBudget, JobExists and DependencyUnavailable are not
+422s.
 """
 
 import redis
@@ -22,6 +23,7 @@ from shared.errors import (
     DeleteRefused,
     DependencyUnavailable,
     JobDeleting,
+    JobExists,
     JobNotFound,
     OverBudget,
     StorageUnavailable,
@@ -51,6 +53,7 @@ def install(app: FastAPI, settings: Settings) -> None:
 
     @app.exception_handler(DeleteRefused)
     @app.exception_handler(JobDeleting)
+    @app.exception_handler(JobExists)
     async def conflict(request: Request, exc: Exception) -> JSONResponse:
         return answer(status.HTTP_409_CONFLICT, str(exc))
 

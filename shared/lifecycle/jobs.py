@@ -19,7 +19,14 @@ import shared
 from shared import access, urls
 from shared.data.datasets import InvalidRecord, read_dataset
 from shared.data.tokenization import ChatTokenizer
-from shared.errors import ConfigurationError, DependencyUnavailable, Eagle3Error, JobDeleting, SubmitError
+from shared.errors import (
+    ConfigurationError,
+    DependencyUnavailable,
+    Eagle3Error,
+    JobDeleting,
+    JobExists,
+    SubmitError,
+)
 from shared.lifecycle import budget, progress, recovery, shard_metrics
 from shared.lifecycle.kind import Target, read_shard_input
 from shared.lifecycle.kinds import kind_of
@@ -88,7 +95,7 @@ def submit(spec: JobSpec, *, settings: Settings, storage: Storage, client: redis
     model_path = resolve_model(spec, settings)
     job_id = spec.job_id or new_job_id()
     if storage.exists(layout.job_json(job_id)):
-        raise SubmitError(f"job {job_id} already exists in {storage.url}; resume it instead")
+        raise JobExists(f"job {job_id} already exists in {storage.url}; resume it instead")
     if recovery.deleting_detail(storage, job_id) is not None:  # its job.json gone, the rest of the delete not yet
         raise JobDeleting(job_id)
     kind.check_spec(spec, settings)
@@ -189,12 +196,13 @@ def check_aux_layer_ids(aux_layer_ids: list[int], num_layers: int) -> None:
 
 
 def publish_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueue: Enqueue) -> None:
-    """After every plan file: the job's index entry, job.json (create-only; a job whose job.json exists is fully
-    planned), its progress counters, then one task per shard, checkpointed: a reaper finishes the enqueueing if this
-    process dies (shared/lifecycle/recovery.py)."""
+    """After every plan file: the job's index entry and publishing, job.json (create-only; a job whose job.json
+    exists is fully planned), its progress counters, then one task per shard, checkpointed: a reaper finishes the
+    job's registration and enqueueing if this process dies or loses Redis (shared/lifecycle/recovery.py)."""
     recovery.index_job(storage, job.job_id)
+    recovery.begin_publishing(client, job.job_id)
     if not storage.put_if_absent(layout.job_json(job.job_id), job.model_dump_json(indent=2).encode()):
-        raise SubmitError(f"job {job.job_id} was created concurrently by another submit")
+        raise JobExists(f"job {job.job_id} was created concurrently by another submit")
     progress.register_job(client, job, storage.url, kind_of(job.kind))
     recovery.publish(storage, client, job, enqueue=enqueue)
 

@@ -2,10 +2,12 @@
 restarted without its data. Storage is the truth in both cases; the workers' lease reaper runs both checks
 (services/worker/leasing.py).
 
-Publishing. A submit writes job.json (from then on the job is fully planned), registers the job in Redis, then
-enqueues one task per shard in order. Each enqueue moves a checkpoint: `shards_enqueued` in the job's hash, and the
-job's score in `eagle3:publishing` (Redis server time). A publishing that has not moved for `shard_lease_s` lost
-its producer; a reaper takes it over and enqueues the rest, so a planned job is never left half enqueued. A shard
+Publishing. A submit enters the job in `eagle3:publishing` (scored by Redis server time), writes job.json (from then
+on the job is fully planned), registers the job in Redis, then enqueues one task per shard in order. Each enqueue
+moves a checkpoint: `shards_enqueued` in the job's hash, and the job's score. A publishing that has not moved for
+`shard_lease_s` lost its producer; a reaper takes it over and enqueues the rest, so a planned job is never left half
+enqueued. A producer that died (or lost Redis) between job.json and the job's registration left a publishing with no
+job hash: the reaper registers the job, its progress recounted from storage, and publishes it whole. A shard
 sent twice (the producer died between an enqueue and its checkpoint) runs once: commits are create-only.
 
 Redis lost. Every published job has an entry in storage's job index (`_jobs/{job_id}`), and Redis holds a marker key
@@ -54,6 +56,12 @@ redis.call('ZADD', KEYS[2], tonumber(t[1]), ARGV[1])
 return 1
 """
 
+# ARGV: job id. Entered before job.json is written, so that a submit dying after it leaves a publishing to take over.
+_BEGIN = """
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]), ARGV[1])
+"""
+
 # Publishings whose checkpoint is older than ARGV[1] seconds; claiming one moves its score to now, so that of
 # several reapers only one takes it over (until it too stops moving).
 _CLAIM_STALLED = """
@@ -84,6 +92,11 @@ def deleting_detail(storage: Storage, job_id: str) -> bytes | None:
         return storage.get(layout.job_index_entry(job_id)) or None
     except ObjectNotFound:
         return None
+
+
+def begin_publishing(client: redis.Redis, job_id: str) -> None:
+    """Enter the job in the publishings a reaper watches; a submit calls this before job.json."""
+    client.eval(_BEGIN, 1, PUBLISHING, job_id)
 
 
 def publish(
@@ -122,21 +135,34 @@ def take_over_stalled_publishing(
     taken = []
     for raw in client.eval(_CLAIM_STALLED, 1, PUBLISHING, stalled_after_s, limit):
         job_id = raw.decode()
-        enqueued = client.hget(progress.job_key(job_id), ENQUEUED_FIELD)
-        if enqueued is None:  # Redis lost the job meanwhile: the Redis-loss recovery publishes it
-            client.zrem(PUBLISHING, job_id)
-            continue
         try:
             job = load_job(storage, job_id)
-        except JobNotFound:  # deleted from storage since: nothing left to enqueue
+        except JobNotFound:  # its submit died before job.json, or it was deleted since: nothing to enqueue
             client.zrem(PUBLISHING, job_id)
             continue
-        sent = publish(storage, client, job, enqueue=enqueue, start=int(enqueued))
+        if deleting_detail(storage, job_id) is not None:  # the delete under way finishes it
+            client.zrem(PUBLISHING, job_id)
+            continue
+        if not client.exists(progress.job_key(job_id)):
+            # Its submit stopped between job.json and the job's registration (the producer killed, Redis down).
+            sent = recover_job(storage, client, job, enqueue=enqueue)
+            client.zrem(PUBLISHING, job_id)  # also when it was cancelled meanwhile, and nothing was published
+            logger.warning(
+                "job %s: its submit stopped before the job was registered (no progress for %.0fs); registered it "
+                "and enqueued %d shard(s)",
+                job_id,
+                stalled_after_s,
+                sent,
+            )
+            taken.append(job_id)
+            continue
+        enqueued = int(client.hget(progress.job_key(job_id), ENQUEUED_FIELD) or 0)
+        sent = publish(storage, client, job, enqueue=enqueue, start=enqueued)
         logger.warning(
             "job %s: its producer stopped after enqueueing %d of %d shards (no progress for %.0fs); "
             "enqueued the other %d",
             job_id,
-            int(enqueued),
+            enqueued,
             job.shards_total,
             stalled_after_s,
             sent,

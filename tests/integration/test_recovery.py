@@ -61,6 +61,47 @@ def test_a_stalled_enqueueing_is_finished_by_a_reaper(client: redis.Redis, stora
     assert recovery.take_over_stalled_publishing(storage, client, enqueue=rest.append, stalled_after_s=0) == []
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_submit_that_stopped_before_registering_the_job_is_finished_by_a_reaper(
+    client: redis.Redis, storage: Storage, monkeypatch: pytest.MonkeyPatch, cancelled: bool
+) -> None:
+    """job.json written, then the producer lost Redis (or was killed) before the job's registration: Redis does not
+    know the job, and a submit of the same id is refused (it exists). The publishing entered before job.json lets a
+    reaper register the job and publish it whole; a job cancelled meanwhile is registered cancelled."""
+    job = make_job(shards=3)
+    storage.put(layout.manifest("job-a", 1), make_manifest(1).model_dump_json().encode())  # a shard run twice
+
+    def redis_went_down(*args: object) -> None:
+        raise redis.ConnectionError("Connection refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(progress, "register_job", redis_went_down)
+        with pytest.raises(redis.ConnectionError):
+            jobs.publish_job(storage, client, job, enqueue=lambda *a: pytest.fail("not registered: no enqueue"))
+    assert storage.exists(layout.job_json("job-a")) and not client.exists(progress.job_key("job-a"))
+    if cancelled:
+        storage.put(layout.cancelled("job-a"), b"")
+    # Not stalled yet for a reaper that waits a lease period.
+    assert recovery.take_over_stalled_publishing(storage, client, enqueue=Died, stalled_after_s=60) == []
+
+    sent: list[int] = []
+    taken = recovery.take_over_stalled_publishing(
+        storage, client, enqueue=lambda kind, job_id, k: sent.append(k), stalled_after_s=0
+    )
+    assert taken == ["job-a"] and sent == ([] if cancelled else [0, 2])
+    state = progress.job_progress(client, "job-a")
+    assert (state.state, state.shards_committed) == ("cancelled" if cancelled else "running", 1)
+    assert not client.zscore(recovery.PUBLISHING, "job-a")  # finished: no reaper takes it again
+    assert recovery.take_over_stalled_publishing(storage, client, enqueue=Died, stalled_after_s=0) == []
+
+
+def test_a_submit_that_died_before_job_json_leaves_no_publishing(client: redis.Redis, storage: Storage) -> None:
+    recovery.index_job(storage, "job-a")
+    recovery.begin_publishing(client, "job-a")
+    assert recovery.take_over_stalled_publishing(storage, client, enqueue=Died, stalled_after_s=0) == []
+    assert not client.zscore(recovery.PUBLISHING, "job-a") and not client.exists(progress.job_key("job-a"))
+
+
 def test_redis_lost_jobs_are_recovered_from_storage_once(client: redis.Redis, storage: Storage) -> None:
     running, cancelled = make_job(shards=4), make_job(shards=2).model_copy(update={"job_id": "job-b"})
     for job in (running, cancelled):

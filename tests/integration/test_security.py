@@ -432,7 +432,7 @@ def test_an_upload_never_replaces_an_existing_jobs_dataset(api: Api, tiny_model_
     )
     assert first.status_code == 201, first.text
     second = api.client.post("/v1/jobs/upload", files={"dataset": b"{}\n"}, data={"spec": spec}, headers=AUTH)
-    assert second.status_code == 422 and "job kept already exists" in second.json()["detail"]
+    assert second.status_code == 409 and "job kept already exists" in second.json()["detail"]
     assert (api.root / "store" / "kept" / "dataset.jsonl").read_bytes() == dataset.read_bytes()
 
 

@@ -16,7 +16,7 @@ from services.producer.deps import (
     StorageDep,
 )
 from shared import access
-from shared.errors import JobNotFound
+from shared.errors import JobExists, JobNotFound
 from shared.lifecycle import budget, deletion, jobs, progress
 from shared.lifecycle.kinds import AUDIT, kind_of
 from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
@@ -95,7 +95,7 @@ def create_job_from_upload(
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"spec: {exc}") from exc
     assert parsed.job_id is not None  # set above, from the spec or new
     if storage.exists(layout.job_json(parsed.job_id)):  # never replace the dataset of an existing job
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, f"job {parsed.job_id} already exists")
+        raise JobExists(f"job {parsed.job_id} already exists")
     storage.put(key, dataset.file.read())
     return _submit(parsed, settings, storage, client, enqueue)
 
