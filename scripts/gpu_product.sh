@@ -39,7 +39,8 @@
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
 #               and inputs (loss agreement, tokens/s, peak memory) at 1x2048 4x2048 1x8192 2x16384, then the long rows
-#               1x32768 2x32768 (TRAINER_SHAPES overrides). Runs on the machine's torch, Triton and transformers
+#               1x32768 2x32768 (TRAINER_SHAPES overrides; TRAINER_ARGS adds arguments). Runs on the machine's
+#               torch, Triton and transformers
 #               with the project's imports (pydantic from the SGLang site, redis-py and boto3 from .sgl_s: after
 #               the stages above and `deps`), plus specforge-0.2.0-py3-none-any.whl in .gpu_wheels (`deps` installs
 #               it); no SGLang server.
@@ -47,7 +48,7 @@
 #               against a raw read of the same files, with a 200 ms step: GB/s and how long each step waited (the
 #               project's storage code: the .sgl_s stack carry and `deps` give it Celery, redis-py and boto3)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
-#      DEMO_ARGS / EVAL_ARGS (more arguments), OUT (where results go back).
+#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), OUT (where results go back).
 set -uo pipefail
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
@@ -121,7 +122,7 @@ Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json')))
     # The JSON is rewritten after every shape: a run cut short by the command's limit still brings its rows back.
     timeout 540 python3 -m bench.vs_specforge --dims llama3-8b \
       --shapes ${TRAINER_SHAPES:-1x2048 4x2048 1x8192 2x16384 1x32768 2x32768} --out "$OUTD/vs_specforge.json" \
-      > "$OUTD/vs_specforge.log" 2>&1
+      ${TRAINER_ARGS:-} > "$OUTD/vs_specforge.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/vs_specforge.log" | tail -n 40
     [ $rc = 0 ] || exit $rc ;;
   loader)
