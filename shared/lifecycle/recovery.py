@@ -131,7 +131,8 @@ def publish(
 def take_over_stalled_publishing(
     storage: Storage, client: redis.Redis, *, enqueue: Enqueue, stalled_after_s: float, limit: int = 10
 ) -> list[str]:
-    """Finish the publishing of every job whose producer stopped enqueueing; returns their ids."""
+    """Finish the publishing of every job whose producer stopped before registering it or while enqueueing its
+    shards; returns their ids."""
     taken = []
     for raw in client.eval(_CLAIM_STALLED, 1, PUBLISHING, stalled_after_s, limit):
         job_id = raw.decode()
