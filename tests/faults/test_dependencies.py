@@ -1,5 +1,6 @@
 """Faults of what the workers depend on, over real processes: Redis killed (with and without persistence), the
-inference server killed or hung mid-request, the producer killed mid-submit."""
+inference server killed or hung mid-request, the producer killed mid-submit (planning, before the job's registration,
+enqueueing)."""
 
 import contextlib
 import os
@@ -22,8 +23,10 @@ from shared.settings import Settings
 from shared.storage import layout
 from tests.faults.audit import audit_job
 from tests.faults.conftest import MakeStack
+from tests.faults.fault_proxy import fault_proxy
 from tests.faults.stack import FaultStack, wait_for
 from tests.fixtures.processes import free_port
+from tests.fixtures.seaweedfs import S3Server
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -186,6 +189,51 @@ def test_producer_killed_while_enqueueing_leaves_the_job_to_the_workers(
         row.note = f"killed after enqueueing {sent} of {total} shards; a worker enqueued the rest"
         logs = stack.worker_logs()
     assert f"job {job_id}: its producer stopped after enqueueing {sent} of {total} shards" in logs
+    assert row.audit.clean, row.audit.explain()
+    assert (p.state, p.samples_done, p.shards_dead_lettered) == ("completed", p.samples_total, 0), p
+
+
+def test_producer_killed_between_job_json_and_registration_leaves_the_job_to_the_workers(
+    make_stack: MakeStack, s3_server: S3Server, tmp_path: Path, fault_table
+) -> None:
+    row = fault_table("producer SIGKILL between job.json and the job's registration, no manual step")
+    dataset = write_demo_dataset(tmp_path / "small.jsonl", num_conversations=24, seed=3)
+    job_id = "job-faults-before-registration"
+    spec = {"dataset_url": str(dataset), "shard_token_budget": 256, "job_id": job_id}
+    with fault_proxy(s3_server.endpoint_url) as proxy:
+
+        def hold_job_json_answer(head: bytes) -> None:
+            # S3 stores job.json at once; its answer reaches the producer 0.5 s later: the window to kill it in.
+            request_line = head.split(b"\r\n", 1)[0]
+            slow = request_line.startswith(b"PUT ") and f"/{job_id}/job.json".encode() in request_line
+            proxy.fault = "slow" if slow else "none"
+
+        proxy.on_request = hold_job_json_answer
+        with make_stack(workers=2, s3_endpoint_url=proxy.endpoint_url) as stack:
+            submit = threading.Thread(target=lambda: _post_ignoring_errors(stack.api, spec), daemon=True)
+            submit.start()
+            wait_for(lambda: stack.storage.exists(layout.job_json(job_id)), 300, "job.json written", interval_s=0)
+            os.killpg(stack.process("producer").pid, signal.SIGSTOP)
+            killed_at = stack.kill_whole("producer")
+            submit.join(timeout=30)
+            assert not stack.redis.exists(progress.job_key(job_id)), "the producer registered the job before it died"
+            wait_for(
+                lambda: stack.stack.supervise() is not None and stack.api.get("/health").status_code == 200, 60, "up"
+            )
+            # Submitting it again is refused (the job exists) and starts nothing twice.
+            again = stack.api.post("/v1/jobs", json=spec)
+            assert again.status_code == 409 and "already exists" in again.json()["detail"], again.text
+            # No resume: a worker's reaper sees the publishing stalled for a lease period, registers the job and
+            # enqueues it whole.
+            wait_for(lambda: stack.redis.exists(progress.job_key(job_id)), 180, "the job registered by a worker")
+            row.recover_s = time.monotonic() - killed_at
+            p = stack.wait(job_id)
+            row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
+            row.note = (
+                f"killed with job.json written, the job unregistered; a worker registered it ({p.shards_total} shards)"
+            )
+            logs = stack.worker_logs()
+    assert f"job {job_id}: its submit stopped before the job was registered" in logs
     assert row.audit.clean, row.audit.explain()
     assert (p.state, p.samples_done, p.shards_dead_lettered) == ("completed", p.samples_total, 0), p
 
