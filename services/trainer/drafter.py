@@ -396,6 +396,44 @@ def attend(
 # Small modules
 
 
+def autocast_input(x: Tensor) -> Tensor:
+    """x as the projections reading it take it under autocast: one low-precision copy shared by all of them (autocast
+    casts an input once per projection and each projection keeps its own copy for backward), x itself otherwise."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """Llama's RMSNorm (normalise in fp32, since bf16 sums of squares lose too much, then scale in the input dtype),
+    keeping only its input and the per-row scale for backward, where the normalised rows are computed again: autograd
+    would keep an fp32 copy of the input and of its normalised rows, 8 bytes per element, for each of the four norms
+    of every unrolled step."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd  # (..., H) fp32
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            rows = grad_out.float() * normed.to(x.dtype).float()  # the scale multiplied the rounded rows
+            grad_weight = rows.reshape(-1, rows.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = grad_out.float() * weight.float()  # (..., H)
+            # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed))
+            grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+            grad_x = grad_x.to(x.dtype)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -403,10 +441,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 (bf16 sums of squares lose too much), then scale in the input dtype, as Llama does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 def rotary_cos_sin(position_ids: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -455,6 +490,7 @@ class Eagle3Attention(nn.Module):
         attention_mask: Tensor | None,
     ) -> Tensor:
         B, T, _ = x.shape  # batch, positions, 2H
+        x = autocast_input(x)
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, D)
@@ -474,7 +510,27 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        x = autocast_input(x)
+        return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up keeping gate and up for backward, where silu(gate) is computed again (autograd would also keep
+    silu(gate), a third tensor of the MLP's width per unrolled step)."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = ctx.saved_tensors
+        gate32, sigmoid = gate.float(), torch.sigmoid(gate.float())
+        grad32 = grad_out.float()
+        grad_up = grad32 * (gate32 * sigmoid).to(gate.dtype).float()  # as forward multiplied: by the rounded silu
+        grad_gate = grad32 * up.float() * sigmoid * (1 + gate32 * (1 - sigmoid))  # d silu(g)/dg
+        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
 
 
 class Eagle3DecoderLayer(nn.Module):

@@ -103,8 +103,11 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 def place_models(drafter: Eagle3Drafter, target_head: TargetHead, device: torch.device) -> None:
     drafter.to(device=device, dtype=torch.float32)  # integer buffers (d2t, t2d) keep their dtype
-    # The frozen target head is only read: bf16 on GPU halves its memory and time, fp32 on CPU.
-    target_head.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # The frozen target head and embedding are only read: bf16 on GPU (the dtype targets ship in) halves their memory,
+    # and each unrolled step then keeps its embeddings for backward in bf16; fp32 on CPU.
+    frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target_head.to(device=device, dtype=frozen_dtype)
+    drafter.embed_tokens.to(dtype=frozen_dtype)
 
 
 @dataclass

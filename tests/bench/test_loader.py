@@ -48,7 +48,7 @@ def test_loader_bench_reads_and_verifies_every_sample(storage: str, tmp_path: Pa
     check_summary(report["raw_read"], THROUGHPUT_FIELDS)
     check_summary(report["loader"], THROUGHPUT_FIELDS)
 
-    assert [loop["step_ms"] for loop in report["training_loop"]] == STEP_MS
+    assert [loop["step"] for loop in report["training_loop"]] == [f"{ms:g} ms step" for ms in STEP_MS]
     for loop in report["training_loop"]:
         check_summary(loop, THROUGHPUT_FIELDS | WAIT_FIELDS)
         for repeat in loop["repeats"]:

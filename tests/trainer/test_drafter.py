@@ -3,6 +3,7 @@
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,14 @@ from transformers import LlamaForCausalLM
 
 from services.trainer.drafter import (
     DrafterConfig,
+    Eagle3Attention,
     Eagle3Drafter,
     KVCache,
+    LlamaMLP,
+    RMSNorm,
     TargetHead,
     TTTCache,
+    autocast_input,
     build_drafter,
     load_target_embeddings,
     read_target_config,
@@ -357,3 +362,118 @@ def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps() -> No
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     assert "midlayer.self_attn.q_proj.weight" in drafter.state_dict()  # checkpoint keys unchanged
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The memory-lean pieces against plain autograd: the same values and gradients, fewer tensors kept for backward
+
+
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference: Llama's RMSNorm as plain tensor ops, autograd keeping what it keeps."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def outputs_and_grads(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = function(*leaves)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out))
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+def saved_bytes(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for backward (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function(*leaves)
+    return sum(storages.values())
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_llamas_and_keeps_less(dtype: torch.dtype, device: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 17, 64, generator=generator) * 3).to(device=device, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(64, generator=generator)).to(device)
+    norm = RMSNorm(64, eps=1e-6).to(device)
+
+    ours = outputs_and_grads(lambda x, w: _apply_norm(norm, x, w), x, weight)
+    reference = outputs_and_grads(lambda x, w: llama_rms_norm(x, w, 1e-6), x, weight)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for a, b in zip(ours, reference, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **tolerance)
+    # The input and one scale per row, against the reference's fp32 input and normalised rows.
+    assert saved_bytes(lambda x, w: _apply_norm(norm, x, w), x, weight) < saved_bytes(
+        lambda x, w: llama_rms_norm(x, w, 1e-6), x, weight
+    )
+
+
+def _apply_norm(norm: RMSNorm, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The module's forward with `weight` in place of its parameter (so that its gradient lands on a leaf we hold)."""
+    return torch.func.functional_call(norm, {"weight": weight}, (x,))
+
+
+def mlp_outputs_and_grads(mlp: LlamaMLP, function: Callable, x: torch.Tensor, bf16: bool) -> list[torch.Tensor]:
+    """Output, input gradient and weight gradients, under bf16 autocast or in fp32."""
+    mlp.zero_grad()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        results = outputs_and_grads(function, x)
+    return [r.float() for r in results] + [p.grad.clone() for p in mlp.parameters()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mlp_matches_plain_autograd_and_keeps_less(device: str) -> None:
+    config = random_config()
+    mlp = LlamaMLP(config).to(device)
+    x = torch.randn(2, 9, config.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    truth = mlp_outputs_and_grads(mlp, plain, x, bf16=False)
+    for ours, reference in zip(mlp_outputs_and_grads(mlp, mlp, x, bf16=False), truth, strict=True):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    # Under bf16 autocast both round; ours (silu's derivative in fp32, one rounding) is no further from the fp32
+    # values than plain autograd (bf16 at every step) is.
+    lean = mlp_outputs_and_grads(mlp, mlp, x, bf16=True)
+    rounded = mlp_outputs_and_grads(mlp, plain, x, bf16=True)
+    for ours, reference, exact in zip(lean, rounded, truth, strict=True):
+        assert (ours - exact).norm() <= 1.1 * (reference - exact).norm() + 1e-6
+
+    # silu(gate) is not kept, and under autocast one bf16 copy of x serves both projections.
+    assert saved_bytes(mlp, x) < saved_bytes(plain, x)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert saved_bytes(lambda x: mlp(x + 0), x) < saved_bytes(lambda x: plain(x + 0), x)
+
+
+def test_attention_projections_share_one_autocast_copy_of_their_input() -> None:
+    config = random_config()
+    attention = Eagle3Attention(config)
+    x = torch.randn(1, 8, 2 * config.hidden_size)
+    position_ids = torch.arange(8)[None]
+
+    # x + 0: not a leaf, as in the model (the concatenation of two norms); autocast caches the casts of leaves only.
+    def projections_only(x: torch.Tensor) -> torch.Tensor:
+        x = autocast_input(x + 0)
+        return attention.q_proj(x).sum() + attention.k_proj(x).sum() + attention.v_proj(x).sum()
+
+    def casting_per_projection(x: torch.Tensor) -> torch.Tensor:
+        x = x + 0
+        return attention.q_proj(x).sum() + attention.k_proj(x).sum() + attention.v_proj(x).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert saved_bytes(projections_only, x) < saved_bytes(casting_per_projection, x)
+        torch.testing.assert_close(projections_only(x), casting_per_projection(x))
+        out = attention(x, position_ids, None, None)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 8, config.hidden_size)
