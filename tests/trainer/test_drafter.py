@@ -337,11 +337,19 @@ def test_ttt_unroll_is_the_same_with_either_attention_implementation() -> None:
 
 
 @pytest.mark.slow  # torch.compile takes most of a minute on 2 cores
-def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps() -> None:
-    # backend="aot_eager" traces the graphs (and the breaks around `attend`) without a C++ or GPU compiler.
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [
+        # aot_eager traces the graphs (and the breaks around `attend`) without a C++ or GPU compiler.
+        ("cpu", "aot_eager"),
+        # Inductor's generated kernels on the GPU, in fp32 so that the gradients must match closely.
+        pytest.param("cuda", "inductor", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+    ],
+)
+def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps(device: str, backend: str) -> None:
     torch.manual_seed(0)
     config = random_config()
-    embeds, hidden0, positions = random_inputs(config, batch=2, seq_len=9)
+    embeds, hidden0, positions = (t.to(device) for t in random_inputs(config, batch=2, seq_len=9))
 
     def unroll(drafter: Eagle3Drafter) -> list[torch.Tensor]:
         cache, hidden, outputs = TTTCache(), hidden0, []
@@ -352,10 +360,10 @@ def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps() -> No
         grads = torch.autograd.grad(loss, backbone_and_head_parameters(drafter))
         return [*outputs, *grads]
 
-    drafter = Eagle3Drafter(config)
+    drafter = Eagle3Drafter(config).to(device)
     reference = unroll(drafter)
     torch._dynamo.reset()
-    drafter.compile_backbone(backend="aot_eager")
+    drafter.compile_backbone(backend=backend)
     got = unroll(drafter)
     unroll(drafter)  # a second batch reuses every graph
     for expected, actual in zip(reference, got, strict=True):
@@ -477,3 +485,41 @@ def test_attention_projections_share_one_autocast_copy_of_their_input() -> None:
         torch.testing.assert_close(projections_only(x), casting_per_projection(x))
         out = attention(x, position_ids, None, None)
     assert out.dtype == torch.bfloat16 and out.shape == (1, 8, config.hidden_size)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_recomputed_mlp_gives_the_same_unroll_and_keeps_less(compiled: bool) -> None:
+    torch.manual_seed(0)
+    config = random_config()
+    embeds, hidden0, positions = random_inputs(config, batch=2, seq_len=9)
+    drafter = Eagle3Drafter(config)
+    saved: list[int] = []
+
+    def unroll() -> list[torch.Tensor]:
+        storages: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        cache, hidden, outputs = TTTCache(), hidden0, []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            for i in range(4):
+                hidden = drafter.backbone(embeds, hidden, positions + i, cache=cache)
+                outputs.append(drafter.compute_logits(hidden[:, : 9 - i]))
+        weights = {p.untyped_storage().data_ptr() for p in drafter.parameters()}
+        saved.append(sum(n for pointer, n in storages.items() if pointer not in weights))
+        loss = sum(logits.logsumexp(-1).mean() for logits in outputs)
+        return [*outputs, *torch.autograd.grad(loss, backbone_and_head_parameters(drafter))]
+
+    reference = unroll()
+    if compiled:
+        torch._dynamo.reset()
+        drafter.compile_backbone(backend="aot_eager")
+    drafter.config.recompute_mlp = True
+    got = unroll()
+    for expected, actual in zip(reference, got, strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    if not compiled:  # compiled graphs keep what their partitioner chooses
+        assert saved[1] < 0.8 * saved[0], saved
+    torch._dynamo.reset()
