@@ -221,23 +221,28 @@ def timed_steps(step: Callable[[int], None], *, device: torch.device, warmup: in
     return {"step_s": statistics.median(times), "peak_gib": peak, "step_ms_all": [round(t * 1e3, 1) for t in times]}
 
 
-# Ours besides the defaults, measured on request (--ours-variants): the opt-in compiled backbone (a compiled copy of the
-# drafter, so the later rows stay eager) and the MLP recomputed in backward (`--recompute-mlp` of eagle3 train).
-OURS_VARIANTS = ("compile", "recompute_mlp")
+# Ours besides the defaults, measured on request (--ours-variants): name -> (the opt-in compiled backbone, on a compiled
+# copy of the drafter so that the later rows stay eager; `eagle3 train --recompute-mlp`; `--recompute-logits`).
+OURS_VARIANTS = {
+    "compile": (True, False, False),
+    "recompute_mlp": (False, True, False),
+    "recompute_mlp+logits": (False, True, True),
+}
 
 
 def measure_ours(
     models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, variant: str = "default"
 ) -> dict:
-    drafter = copy.deepcopy(models.drafter) if variant == "compile" else models.drafter
-    if variant == "compile":
+    compile_backbone, recompute_mlp, recompute_logits = OURS_VARIANTS.get(variant, (False, False, False))
+    drafter = copy.deepcopy(models.drafter) if compile_backbone else models.drafter
+    if compile_backbone:
         drafter.compile_backbone()
-    drafter.config.recompute_mlp = variant == "recompute_mlp"
+    drafter.config.recompute_mlp, drafter.config.recompute_logits = recompute_mlp, recompute_logits
     step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps)
     on_device = [b.to(device) for b in batches]
     result = timed_steps(lambda i: step(on_device[i % len(on_device)]), device=device, warmup=warmup, steps=steps)
     # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
-    drafter.config.recompute_mlp = False
+    drafter.config.recompute_mlp = drafter.config.recompute_logits = False
     models.drafter.cpu()
     models.target_head.cpu()
     return result

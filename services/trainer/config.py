@@ -79,6 +79,11 @@ class TrainConfig(BaseModel):
         description="compute each step's MLP activations again in backward instead of keeping them: 0.6x the "
         "activations kept per token for about a sixth more compute; for long sequences",
     )
+    recompute_logits: bool = Field(
+        default=False,
+        description="compute each step's logits again in backward instead of keeping their gradient (2 bytes per "
+        "draft token per row) for one more lm_head matmul a step; for long sequences",
+    )
 
 
 # What a resumed run may change; everything else comes from the checkpoint, so the next steps are the same.
@@ -100,6 +105,7 @@ RESUME_OVERRIDES = frozenset(
         "heldout_max_batches",
         "follow_block_s",
         "recompute_mlp",
+        "recompute_logits",
     }
 )
 

@@ -83,6 +83,9 @@ class DrafterConfig:
     # Training only: the MLP block's activations (the widest of a step) computed again in backward instead of kept:
     # 0.6x the activations kept per token and unrolled step, for about a sixth more compute; for long sequences.
     recompute_mlp: bool = False
+    # Training only: each step's logits computed again in backward instead of their gradient kept (loss.py); for long
+    # sequences and large draft vocabularies.
+    recompute_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in TTT_ATTENTION_FUNCTIONS:

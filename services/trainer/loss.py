@@ -37,14 +37,14 @@ SafeAILab/EAGLE eagle/traineagle3/cnets.py.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from services.trainer.drafter import Eagle3Drafter, TargetHead, TTTCache
+from services.trainer.drafter import Eagle3Drafter, TargetHead, TTTCache, autocast_input
 
 
 @dataclass
@@ -118,9 +118,7 @@ class _FusedSoftCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:
-        compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
-        kernel = _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
-        total, grad, argmax = kernel(logits, teacher_p, learnable.float())
+        total, grad, argmax = _kernel(logits)(logits, teacher_p, learnable.float())
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(argmax)
         return total, argmax
@@ -138,6 +136,69 @@ def fused_soft_cross_entropy(logits: Tensor, teacher_p: Tensor, learnable: Tenso
 
 
 SOFT_CROSS_ENTROPY_FUNCTIONS = {"eager": soft_cross_entropy, "fused": fused_soft_cross_entropy}
+
+# Rows of logits computed at once by the recomputing head: 2**28 elements, 512 MiB of bf16 logits at a time.
+HEAD_CHUNK_ELEMENTS = 2**28
+
+
+class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
+    """lm_head and the soft cross-entropy in one, over chunks of rows, keeping nothing of the vocabulary's width for
+    backward: forward computes each chunk's logits, its loss and argmax, and lets them go; backward computes each
+    chunk's logits again and takes the gradients of lm_head's input and weight from them. The fused path keeps a bf16
+    gradient of every step's logits (2 x V_draft bytes per row: 64 KB at 32,000 draft tokens) instead; this keeps
+    the head's input (2 x H) and pays one more lm_head matmul per step."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: Tensor, weight: Tensor, teacher_p: Tensor, learnable: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        # hidden (B, R, H) normed, in the compute dtype; weight (V_draft, H), the fp32 master under autocast.
+        ctx.save_for_backward(hidden, weight, teacher_p, learnable)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        argmax = torch.empty(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        for rows, logits in _head_chunks(hidden, weight):
+            chunk_total, _, chunk_argmax = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())
+            total += chunk_total
+            argmax[rows] = chunk_argmax
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, teacher_p, learnable = ctx.saved_tensors
+        w = weight.to(hidden.dtype)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for rows, logits in _head_chunks(hidden, weight):
+            _, grad_logits, _ = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())
+            grad_logits = grad_logits * grad_total.to(grad_logits.dtype)  # (n, V_draft)
+            grad_hidden[rows] = grad_logits @ w
+            grad_weight += (grad_logits.T @ hidden[rows]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None
+
+
+def _head_chunks(hidden: Tensor, weight: Tensor) -> Iterator[tuple[tuple[int, slice], Tensor]]:
+    """(index of a chunk of rows of one sequence, its logits): hidden (B, R, H) -> logits (n, V_draft), n rows at a
+    time. Chunks never cross sequences, so the teacher's rows are views of its (B, T, V) tensor, never copies."""
+    w = weight.to(hidden.dtype)
+    chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+    for b in range(hidden.shape[0]):
+        for start in range(0, hidden.shape[1], chunk):
+            rows = (b, slice(start, start + chunk))
+            yield rows, hidden[rows] @ w.T
+
+
+def _kernel(logits: Tensor) -> Callable:
+    compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
+    return _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
+
+
+def recomputed_head_soft_cross_entropy(
+    drafter: Eagle3Drafter, hidden: Tensor, teacher_p: Tensor, learnable: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`soft_cross_entropy_sum(drafter.compute_logits(hidden), ...)` with the logits computed again in backward."""
+    normed = autocast_input(drafter.norm(hidden))
+    return _RecomputedHeadSoftCrossEntropy.apply(normed, drafter.lm_head.weight, teacher_p, learnable)
 
 
 def ttt_loss(
@@ -186,15 +247,20 @@ def ttt_loss(
         input_embeds = drafter.embed_input_ids(shift_left(batch.input_ids, 1 + i))  # (B, T, H)
         hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache)  # (B, T, H), fed forward
 
-        # Step 3.2: logits for the rows that have a target.
-        logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
+        # Step 3.2: the rows that have a target.
         teacher = target_p[:, 1 + i : 1 + i + rows]  # (B, rows, V_draft) distribution of x_{t+2+i}
         counted = predictable[:, 2 + i : 2 + i + rows]  # (B, rows)
         learnable = counted & target_in_draft[:, 1 + i : 1 + i + rows]  # (B, rows)
         step_counted[i] = counted.sum()
 
-        # Step 3.3: soft cross-entropy against the teacher, mean over counted rows.
-        cross_entropy_sum, proposed = soft_cross_entropy_sum(logits, teacher, learnable)  # (), (B, rows) draft ids
+        # Step 3.3: their logits, and the soft cross-entropy against the teacher, mean over counted rows.
+        if drafter.config.recompute_logits and torch.is_grad_enabled():
+            cross_entropy_sum, proposed = recomputed_head_soft_cross_entropy(
+                drafter, hidden[:, :rows], teacher, learnable
+            )
+        else:
+            logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
+            cross_entropy_sum, proposed = soft_cross_entropy_sum(logits, teacher, learnable)  # (), (B, rows) draft ids
         step_losses[i] = cross_entropy_sum / step_counted[i].clamp(min=1)
 
         # Step 3.4: top-1 agreement in target ids, what greedy verification would accept.

@@ -188,7 +188,7 @@ def build_trainer(
     drafter, target_head = build_drafter(
         model_path, mapping, aux_layer_ids=aux_layer_ids, init_from_target=config.init_from_target
     )
-    drafter.config.recompute_mlp = config.recompute_mlp
+    drafter.config.recompute_mlp, drafter.config.recompute_logits = config.recompute_mlp, config.recompute_logits
     place_models(drafter, target_head, runtime.device)
     objective: nn.Module = TTTObjective(
         drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
+from services.trainer import loss as loss_module
 from services.trainer.drafter import (
     Eagle3Drafter,
     TargetHead,
@@ -229,7 +230,7 @@ def test_compiled_soft_cross_entropy_matches_eager_on_cuda() -> None:
 
 
 def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
-    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
     batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
@@ -241,15 +242,26 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
         ttt_loss(drafter, target_head, batch, ttt_length=3).loss.backward()
         optimizer.step()
 
-    def loss_and_grads(attn_implementation: str, loss_implementation: str) -> tuple:
+    def loss_and_grads(attn_implementation: str, loss_implementation: str, recompute: str = "") -> tuple:
         drafter.config.attn_implementation = attn_implementation
+        drafter.config.recompute_mlp = "mlp" in recompute
+        drafter.config.recompute_logits = "logits" in recompute
         out = ttt_loss(drafter, target_head, batch, loss_implementation=loss_implementation)
         return out, torch.autograd.grad(out.loss, params)
 
+    # The recomputing head takes 5 rows at a time: several chunks per sequence, a short last one.
+    monkeypatch.setattr(loss_module, "HEAD_CHUNK_ELEMENTS", 5 * 300)
     reference, reference_grads = loss_and_grads("eager", "eager")
     assert any(reference.step_accuracies), "all-zero accuracies would make the comparison vacuous"
-    for attn_implementation, loss_implementation in [("sdpa", "eager"), ("eager", "fused"), ("sdpa", "fused")]:
-        out, grads = loss_and_grads(attn_implementation, loss_implementation)
+    for variant in [
+        ("sdpa", "eager"),
+        ("eager", "fused"),
+        ("sdpa", "fused"),
+        ("sdpa", "fused", "mlp"),
+        ("sdpa", "fused", "logits"),
+        ("sdpa", "fused", "mlp+logits"),
+    ]:
+        out, grads = loss_and_grads(*variant)
         torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-6)
         assert out.step_losses == pytest.approx(reference.step_losses, rel=1e-5)
         assert out.step_accuracies == reference.step_accuracies

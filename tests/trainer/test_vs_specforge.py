@@ -28,7 +28,7 @@ def test_specforge_and_our_ttt_losses_agree_and_both_steps_run(tmp_path: Path) -
     command = [
         sys.executable, "-m", "bench.vs_specforge", "--dims", "tiny", "--agreement-shape", "2x40",
         "--shapes", "1x32", "--warmup", "0", "--steps", "1", "--specforge-attention", "sdpa", "--out", str(out),
-        "--ours-variants", "compile", "recompute_mlp",
+        "--ours-variants", "compile", "recompute_mlp", "recompute_mlp+logits",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -43,5 +43,5 @@ def test_specforge_and_our_ttt_losses_agree_and_both_steps_run(tmp_path: Path) -
     (shape,) = report["shapes"]
     assert shape["ours"]["step_s"] > 0 and shape["specforge"]["step_s"] > 0, shape
     # compile runs eagerly here (TORCHDYNAMO_DISABLE); each variant is its own measured row against SpecForge's.
-    assert sorted(shape["ours_variants"]) == ["compile", "recompute_mlp"], shape
+    assert sorted(shape["ours_variants"]) == ["compile", "recompute_mlp", "recompute_mlp+logits"], shape
     assert all(v["step_s"] > 0 and v["speedup"] > 0 for v in shape["ours_variants"].values()), shape
