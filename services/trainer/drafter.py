@@ -412,17 +412,18 @@ def autocast_input(x: Tensor) -> Tensor:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """Llama's RMSNorm (normalise in fp32, since bf16 sums of squares lose too much, then scale in the input dtype),
-    keeping only its input and the per-row scale for backward, where the normalised rows are computed again: autograd
-    would keep an fp32 copy of the input and of its normalised rows, 8 bytes per element, for each of the four norms
-    of every unrolled step."""
+    """Llama's RMSNorm (normalise in fp32, since bf16 sums of squares lose too much, then scale), keeping only its
+    input and the per-row scale for backward, where the normalised rows are computed again: autograd would keep an
+    fp32 copy of the input and of its normalised rows, 8 bytes per element, for each of the four norms of every
+    unrolled step. The output has the input's dtype: under autocast every norm feeds a bf16 matmul, which would round
+    the fp32 product of the fp32 master weight and the rows to the same bf16 values, one cast kernel later."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         x32 = x.float()
         rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x32 * rstd).to(x.dtype)
+        return (weight * (x32 * rstd).to(x.dtype)).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:

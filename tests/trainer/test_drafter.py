@@ -377,10 +377,11 @@ def test_compiled_backbone_matches_eager_and_compiles_once_for_all_steps(device:
 
 
 def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference: Llama's RMSNorm as plain tensor ops, autograd keeping what it keeps."""
+    """The reference: Llama's RMSNorm as plain tensor ops, autograd keeping what it keeps; the output in the input's
+    dtype, as with Llama's weights in the model's dtype."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return (weight * x32.to(x.dtype)).to(x.dtype)
 
 
 def outputs_and_grads(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> list[torch.Tensor]:
