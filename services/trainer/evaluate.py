@@ -239,7 +239,7 @@ class PromptFileResult:
     acceptance_length_ci95: tuple[float, float]  # 95% interval of that mean over prompts
     pooled_acceptance_length: float  # all new tokens over all verification steps
     position_acceptance: list[float]  # share of verification steps whose draft k+1 was accepted
-    matches_greedy: bool  # every output equals plain greedy decoding of the target
+    matches_greedy: bool | None  # every output equals plain greedy decoding of the target (None: not checked)
     wall_s: float  # speculative decoding and the greedy check, for this file and drafter
 
     @classmethod
@@ -324,7 +324,7 @@ def acceptance_table(report: dict[str, Any]) -> Table:
             f"{row['acceptance_length']:.3f}",
             f"{low:.3f}-{high:.3f}",
             " ".join(f"{share:.2f}" for share in row["position_acceptance"]),
-            "yes" if row["matches_greedy"] else "NO",
+            {True: "yes", False: "NO", None: "-"}[row["matches_greedy"]],
             f"{row['wall_s']:.1f}",
         )
     return table

@@ -278,6 +278,18 @@ def test_untrained_drafter_decodes_exactly_greedy(
     assert 1.0 <= result.mean_accepted_per_step < 1.5
     assert drafter.training
 
+    # Without the greedy check (the serving-engine eval's own column): the same acceptance, the check not claimed.
+    unchecked = measure_acceptance(
+        tiny_target,
+        drafter,
+        prompts,
+        num_draft_tokens=NUM_DRAFT_TOKENS,
+        max_new_tokens=MAX_NEW_TOKENS,
+        check_greedy=False,
+    )
+    assert unchecked.matches_greedy is None
+    assert unchecked.prompt_acceptance_lengths == result.prompt_acceptance_lengths
+
 
 def test_training_on_the_targets_own_states_raises_measured_acceptance(
     target_dir: Path, tiny_target: LlamaForCausalLM, prompts_and_continuations: tuple
