@@ -18,9 +18,15 @@ Speculative settings (`steps,topk,draft_tokens`, SGLang's `--speculative-num-ste
 `--speculative-num-draft-tokens`) can be several: each is served in turn and the table says which served best.
 Either the servers are launched here (from `--sglang-python`, default this one), or `--url` is a running
 speculative server (its settings are read from it) and `--plain-url` a plain one.
+
+Launched servers write what they measured to the work folder after each server and each of our own measurements
+(`engine-eval-partial.json`); `resume` goes on from there, measuring only what is missing, as long as the target,
+the drafters, the prompts and the settings are the ones measured before. A lent GPU machine that runs one command for
+minutes at a time finishes an evaluation over several commands that way.
 """
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -37,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from pydantic import TypeAdapter
 from rich.console import Console
 from rich.table import Table
 
@@ -337,6 +344,7 @@ class EngineEvalOptions:
     sglang_python: str = sys.executable
     sglang_args: list[str] = field(default_factory=list)  # every launch gets them
     work_dir: Path | None = None  # exports and server logs (default: a temporary folder)
+    resume: bool = False  # go on from the work folder's partial measurements (launched servers only)
 
 
 def evaluate_on_engine(
@@ -363,10 +371,12 @@ def evaluate_on_engine(
     with _work_dir(options.work_dir) as work:
         if options.url is not None:
             results, headline = measure_running(options, prompt_sets)
+            progress = EvalProgress(work / EvalProgress.FILE, key={}, results=results)
             if options.compare_own:
                 drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
         else:
-            results, headline = measure_launched(target, drafters, prompt_sets, options, work), options.settings[0]
+            progress = measure_launched(target, drafters, prompt_sets, options, work)
+            results, headline = progress.results, options.settings[0]
         if options.compare_own:
             try:
                 _compare_with_own(
@@ -376,7 +386,7 @@ def evaluate_on_engine(
                     target,
                     headline,
                     options.max_new_tokens,
-                    on_measured=lambda: write_partial(work, results),
+                    on_measured=progress.save,
                 )
             except Exception as exc:  # SGLang's numbers stand without ours; say why ours are missing
                 logger.exception("the project's own acceptance could not be measured")
@@ -435,11 +445,13 @@ def measure_launched(
     prompt_sets: dict[str, list[list[int]]],
     options: EngineEvalOptions,
     work: Path,
-) -> list[EngineResult]:
+) -> "EvalProgress":
     """The plain server and one per drafter and setting, launched here one after another, each measured alone.
-    What was measured is written after every server."""
+    What was measured is written after every server (`EvalProgress`); with `options.resume`, what was measured
+    before is not measured again."""
     from services.trainer.export import export_sglang
 
+    progress = EvalProgress.start(work, evaluation_key(target, drafters, prompt_sets, options), options.resume)
     plain_port = free_port()
     servers: list[tuple[str | None, SpeculativeConfig | None, ServerLaunch]] = [
         (None, None, _launch(target, plain_port, serving_args(options, None), work / "sglang-plain.log"))
@@ -451,32 +463,100 @@ def measure_launched(
             log = work / name / f"sglang-{setting.label.replace(',', '-')}.log"
             args = serving_args(options, setting, export_dir)
             servers.append((name, setting, _launch(target, free_port(), args, log)))
-    plain: dict[str, ServerRun] = {}
-    results: list[EngineResult] = []
 
     def measure(drafter: str | None, setting: SpeculativeConfig | None, url: str) -> None:
-        nonlocal plain
         logger.info("measuring %s at %s", f"{drafter} drafter, setting {setting.label}" if setting else "plain", url)
         runs = {f: _run(url, p, options) for f, p in prompt_sets.items()}
         if drafter is None or setting is None:
-            plain = runs
-            return
-        results.extend(_rows(drafter, setting, runs, plain))
-        write_partial(work, results)
+            progress.plain = runs
+        else:
+            progress.results.extend(_rows(drafter, setting, runs, progress.plain))
+        progress.save()
 
     # One server at a time, each with the whole GPU: SGLang 0.5.23 profiles the free memory before and after loading
     # its weights, so servers starting side by side see each other's KV pools as their own weights and refuse to
     # start (seen on the H200, 2026-12-03: "Loaded weights leave no GPU memory for the KV cache").
     for drafter_name, server_setting, launch in servers:  # not drafter, setting: those are typed by the loop above
+        if progress.measured(drafter_name, server_setting):
+            logger.info("measured before (%s): %s %s", progress.path, drafter_name or "plain", server_setting or "")
+            continue
         with server_processes([launch], python=options.sglang_python) as (url,):
             measure(drafter_name, server_setting, url)
-    return results
+    return progress
 
 
-def write_partial(work: Path, results: list[EngineResult]) -> None:
-    """Minutes of GPU per server, and per drafter of our own decoding: what was measured survives whatever comes
-    next (a lent machine's command limit, say)."""
-    (work / "engine-eval-partial.json").write_text(json.dumps([r.as_dict() for r in results], indent=2))
+@dataclass
+class EvalProgress:
+    """What launched servers and our own decoding measured so far, in the work folder after each measurement: minutes
+    of GPU each, kept whatever comes next (a lent machine's command limit, say), and taken up by `resume`."""
+
+    FILE = "engine-eval-partial.json"
+
+    path: Path
+    key: dict[str, Any]  # what the measurements are of (`evaluation_key`): a resume with another key starts afresh
+    plain: dict[str, ServerRun] | None = None  # the plain server's runs per file
+    results: list[EngineResult] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, work: Path, key: dict[str, Any], resume: bool) -> "EvalProgress":
+        progress = cls(work / cls.FILE, key)
+        if not resume or not progress.path.exists():
+            return progress
+        saved = json.loads(progress.path.read_text())
+        if saved.get("key") != key:
+            logger.warning(
+                "%s measured something else (another drafter, prompts or settings): starting afresh", progress.path
+            )
+            return progress
+        progress.plain = _PLAIN_RUNS.validate_python(saved["plain"]) if saved.get("plain") is not None else None
+        progress.results = [_RESULT.validate_python(result) for result in saved["results"]]
+        logger.info("resuming from %s: %d rows measured before", progress.path, len(progress.results))
+        return progress
+
+    def measured(self, drafter: str | None, setting: SpeculativeConfig | None) -> bool:
+        if drafter is None or setting is None:
+            return self.plain is not None
+        return any((r.drafter, r.setting) == (drafter, setting.label) for r in self.results)
+
+    def save(self) -> None:
+        plain = {f: asdict(run) for f, run in self.plain.items()} if self.plain is not None else None
+        self.path.write_text(
+            json.dumps({"key": self.key, "plain": plain, "results": [r.as_dict() for r in self.results]}, indent=2)
+        )
+
+
+_PLAIN_RUNS = TypeAdapter(dict[str, ServerRun])
+_RESULT = TypeAdapter(EngineResult)
+
+
+def evaluation_key(
+    target: Path,
+    drafters: dict[str, "Eagle3Drafter"],
+    prompt_sets: dict[str, list[list[int]]],
+    options: EngineEvalOptions,
+) -> dict[str, Any]:
+    """What makes two evaluations' measurements the same: the target, each drafter's weights (a digest), the prompts
+    and every option a measurement depends on."""
+
+    def digest(payload: bytes) -> str:
+        return hashlib.sha256(payload).hexdigest()[:16]
+
+    def weights(drafter: "Eagle3Drafter") -> str:
+        hasher = hashlib.sha256()
+        for tensor in drafter.state_dict().values():
+            hasher.update(tensor.detach().cpu().float().numpy().tobytes())
+        return hasher.hexdigest()[:16]
+
+    return {
+        "target": str(target),
+        "drafters": {name: weights(drafter) for name, drafter in drafters.items()},
+        "prompts": {file: digest(json.dumps(prompts).encode()) for file, prompts in prompt_sets.items()},
+        "settings": [setting.label for setting in options.settings],
+        "max_new_tokens": options.max_new_tokens,
+        "concurrency": options.concurrency,
+        "repeats": options.repeats,
+        "sglang_args": options.sglang_args,
+    }
 
 
 def serving_args(
@@ -544,11 +624,17 @@ def _compare_with_own(
     from services.trainer.evaluate import load_target
     from services.trainer.speculative import measure_acceptance
 
+    def measured_before(name: str, file: str) -> bool:  # a resumed evaluation's rows keep their own measurement
+        rows = [r for r in results if (r.drafter, r.file, r.setting) == (name, file, headline.label)]
+        return bool(rows) and all(r.own_acceptance_length is not None for r in rows)
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target_model = load_target(target).to(device)
     for name, drafter in drafters.items():
         drafter.to(device)
         for file, prompts in prompt_sets.items():
+            if measured_before(name, file):
+                continue
             # SGLang's plain server gives the comparison with greedy decoding; ours only needs the acceptance.
             own = measure_acceptance(
                 target_model,
@@ -678,6 +764,11 @@ def add_engine_arguments(eval_parser: argparse.ArgumentParser) -> None:
         help="skip the project's own measured acceptance beside SGLang's",
     )
     group.add_argument("--work-dir", type=Path, help="keep the exports and server logs here (default: temporary)")
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from what an earlier run with the same --work-dir measured (same drafters, prompts, settings)",
+    )
     eval_parser.set_defaults(func=cmd_eval)
 
 
@@ -712,7 +803,10 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
         sglang_python=args.sglang_python,
         sglang_args=shlex.split(args.sglang_args),
         work_dir=args.work_dir,
+        resume=args.resume,
     )
+    if args.resume and args.work_dir is None:
+        raise ConfigurationError("--resume goes on from --work-dir: give the folder of the earlier run")
     report = evaluate_on_engine(
         args.checkpoint,
         [Path(file) for file in args.prompts_file],

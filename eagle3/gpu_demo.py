@@ -121,6 +121,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
             sglang_python=args.sglang_python,
             sglang_args=shlex.split(args.eval_sglang_args),
             work_dir=demo_dir / "engine-eval",
+            resume=args.resume,  # an evaluation a command's time limit cut short goes on where it stopped
         ),
     )
     report["engine_eval"] = engine
@@ -401,7 +402,10 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--eval-concurrency", type=int, default=16)
     group.add_argument(
-        "--resume", action="store_true", help="skip the stages the report (--report) already holds, run the rest"
+        "--resume",
+        action="store_true",
+        help="skip the stages the report (--report) already holds, run the rest; an evaluation cut short goes on "
+        "from what it measured",
     )
     group.add_argument("--until", choices=STAGES, default="evaluation", help="stop after this stage")
     demo_parser.set_defaults(func=cmd_demo)

@@ -18,6 +18,7 @@
 #   5 (nothing)                                 bash scripts/gpu_product.sh extract
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
+#                                               (again if cut short: it goes on from the servers it measured)
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
 # some small wheels: after 4 (.gpu_wheels then also holds specforge-0.2.0-py3-none-any.whl), or on a fresh machine
 # with one carry, .gpu_trainer (24 MiB), each under the 10 minutes a command may run. Made here with

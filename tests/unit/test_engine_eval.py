@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from eagle3 import cli
 from eagle3.engine_eval import (
@@ -244,7 +245,7 @@ def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_
     options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python))
     prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
 
-    results = measure_launched(tiny_model_dir, drafters, prompts, options, tmp_path / "work")
+    results = measure_launched(tiny_model_dir, drafters, prompts, options, tmp_path / "work").results
 
     assert [(r.drafter, r.setting) for r in results] == [
         ("trained", "7,1,8"),
@@ -260,4 +261,38 @@ def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_
     assert len(logs) == 4 and not any("--mem-fraction-static" in log.read_text() for log in logs)
     untrained = (tmp_path / "work" / "untrained" / "sglang-7-1-8.log").read_text()
     assert f"--speculative-draft-model-path {tmp_path / 'work' / 'drafter-untrained'}" in untrained
-    assert len(json.loads((tmp_path / "work" / "engine-eval-partial.json").read_text())) == 3
+    assert len(json.loads((tmp_path / "work" / "engine-eval-partial.json").read_text())["results"]) == 3
+
+
+def test_a_resumed_evaluation_measures_only_what_is_missing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An evaluation cut short (here: its last server's row taken out of the partial file, as if the command had
+    ended while that server ran) goes on with that server alone; another drafter starts afresh."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests" / "fixtures" / "stand_in_sglang.py"} "$@"\n')
+    python.chmod(0o755)
+    drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
+    settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("3,1,4")]
+    options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python), resume=True)
+    prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+    work = tmp_path / "work"
+    first = measure_launched(tiny_model_dir, drafters, prompts, options, work).results
+
+    partial = work / "engine-eval-partial.json"
+    saved = json.loads(partial.read_text())
+    saved["results"] = saved["results"][:2]  # the untrained server's row was never written
+    partial.write_text(json.dumps(saved))
+    logs = {log: log.stat().st_mtime_ns for log in work.rglob("sglang-*.log")}
+    resumed = measure_launched(tiny_model_dir, drafters, prompts, options, work).results
+
+    # The rows measured before come back as they were; the new one is measured against the saved plain runs.
+    assert [r.as_dict() for r in resumed[:2]] == [r.as_dict() for r in first[:2]]
+    new = resumed[2]
+    assert (new.drafter, new.setting, new.acceptance) == ("untrained", "7,1,8", first[2].acceptance)
+    assert new.plain_tokens_per_s == first[2].plain_tokens_per_s and new.matches_greedy == 2
+    relaunched = [log.relative_to(work) for log in work.rglob("sglang-*.log") if log.stat().st_mtime_ns != logs[log]]
+    assert relaunched == [Path("untrained/sglang-7-1-8.log")]
+
+    with torch.no_grad():
+        drafters["trained"].lm_head.weight.add_(1.0)  # another drafter: nothing measured before counts
+    measure_launched(tiny_model_dir, drafters, prompts, options, work)
+    assert all(log.stat().st_mtime_ns != logs[log] for log in work.rglob("sglang-*.log"))
