@@ -137,7 +137,7 @@ def fused_soft_cross_entropy(logits: Tensor, teacher_p: Tensor, learnable: Tenso
 
 SOFT_CROSS_ENTROPY_FUNCTIONS = {"eager": soft_cross_entropy, "fused": fused_soft_cross_entropy}
 
-# Rows of logits computed at once by the recomputing head: 2**28 elements, 512 MiB of bf16 logits at a time.
+# Rows of logits computed at once by the teacher and by the recomputing head: 2**28 elements, 512 MiB of bf16 logits.
 HEAD_CHUNK_ELEMENTS = 2**28
 
 
@@ -219,14 +219,20 @@ def ttt_loss(
 
     # Step 1: the teacher. Position t of the target predicts token t+1; only its draft-vocab part is learnable.
     with torch.no_grad():
-        # Under autocast the logits are bf16; argmax and the fp32 softmax read them as they are (an exact upcast),
-        # so the full vocabulary never gets an fp32 copy.
-        target_logits = target_head(batch.hidden_state)  # (B, T, V_target)
-        target_token = target_logits.argmax(-1)  # (B, T) the target's greedy next token
-        target_in_draft = drafter.t2d[target_token]  # (B, T) could the drafter propose it at all?
         draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
-        target_p = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)  # (B, T, V_draft)
-        del target_logits
+        target_token = torch.empty(B, T, dtype=torch.long, device=device)  # the target's greedy next token
+        target_p = torch.empty(B, T, len(draft_vocab), dtype=torch.float32, device=device)  # (B, T, V_draft)
+        # A few thousand rows at a time, so the full vocabulary's logits (V_target x 2 bytes a row) never exist for
+        # a whole long batch. Under autocast the logits are bf16; argmax and the fp32 softmax read them as they are
+        # (an exact upcast), so the full vocabulary never gets an fp32 copy.
+        chunk = max(1, HEAD_CHUNK_ELEMENTS // target_head.weight.shape[0])
+        for b in range(B):
+            for start in range(0, T, chunk):
+                part = (b, slice(start, start + chunk))
+                target_logits = target_head(batch.hidden_state[part])  # (n, V_target)
+                target_token[part] = target_logits.argmax(-1)
+                target_p[part] = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)
+        target_in_draft = drafter.t2d[target_token]  # (B, T) could the drafter propose it at all?
         predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
 
     # Step 2: step 0's hidden state is the projection of the target's three aux layers.

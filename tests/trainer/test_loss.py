@@ -249,10 +249,12 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
         out = ttt_loss(drafter, target_head, batch, loss_implementation=loss_implementation)
         return out, torch.autograd.grad(out.loss, params)
 
-    # The recomputing head takes 5 rows at a time: several chunks per sequence, a short last one.
-    monkeypatch.setattr(loss_module, "HEAD_CHUNK_ELEMENTS", 5 * 300)
     reference, reference_grads = loss_and_grads("eager", "eager")
     assert any(reference.step_accuracies), "all-zero accuracies would make the comparison vacuous"
+    # From here the teacher and the recomputing head take a few rows at a time: several chunks per sequence, a short
+    # last one, against the reference's one chunk.
+    monkeypatch.setattr(loss_module, "HEAD_CHUNK_ELEMENTS", 5 * 300)
+    assert 1 < 1500 // target_head.weight.shape[0] < batch.input_ids.shape[1]
     for variant in [
         ("sdpa", "eager"),
         ("eager", "fused"),
