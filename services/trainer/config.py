@@ -79,6 +79,11 @@ class TrainConfig(BaseModel):
         description="compute each step's MLP activations again in backward instead of keeping them: 0.6x the "
         "activations kept per token for about a sixth more compute; for long sequences",
     )
+    compile_backbone: bool = Field(
+        default=False,
+        description="torch.compile the drafter's per-step dense work (norms, projections, MLP); the first steps pay "
+        "for the compilation",
+    )
     recompute_logits: bool = Field(
         default=False,
         description="compute each step's logits again in backward instead of keeping their gradient (2 bytes per "
@@ -106,6 +111,7 @@ RESUME_OVERRIDES = frozenset(
         "follow_block_s",
         "recompute_mlp",
         "recompute_logits",
+        "compile_backbone",
     }
 )
 

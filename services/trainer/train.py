@@ -190,6 +190,8 @@ def build_trainer(
     )
     drafter.config.recompute_mlp, drafter.config.recompute_logits = config.recompute_mlp, config.recompute_logits
     place_models(drafter, target_head, runtime.device)
+    if config.compile_backbone:
+        drafter.compile_backbone()
     objective: nn.Module = TTTObjective(
         drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay
     )

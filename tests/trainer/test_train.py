@@ -10,7 +10,10 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -20,7 +23,9 @@ from prometheus_client import REGISTRY
 from safetensors.torch import load_file, save_file
 
 from services.trainer import cli as trainer_cli
+from services.trainer import drafter as drafter_module
 from services.trainer import export
+from services.trainer import loss as loss_module
 from services.trainer.config import TrainConfig
 from services.trainer.data import IncompatibleJob, heldout_shards
 from services.trainer.evaluate import evaluate_checkpoint, prompts_from_file
@@ -120,6 +125,36 @@ def test_resume_reproduces_the_uninterrupted_run(extracted_job: ExtractedJob, tm
         assert cut["step_accuracies"] == pytest.approx(whole["step_accuracies"], abs=1e-6)
         assert cut["lr"] == pytest.approx(whole["lr"], rel=1e-9)
     assert resumed["data_position"] == uninterrupted["data_position"]
+
+
+def test_recomputing_in_backward_trains_the_same_steps(
+    extracted_job: ExtractedJob, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: Counter[str] = Counter()
+
+    def counted(name: str, function: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(drafter_module, "checkpoint", counted("mlp", drafter_module.checkpoint))
+    head = loss_module.recomputed_head_soft_cross_entropy
+    monkeypatch.setattr(loss_module, "recomputed_head_soft_cross_entropy", counted("logits", head))
+    settings = settings_for(extracted_job.storage_url, tmp_path)
+    run = {"max_steps": 4, "checkpoint_every": 100}
+    kept = train(config(extracted_job.job_id, run_name="kept", **run), settings=settings)
+    assert not calls
+    recomputed = train(
+        config(extracted_job.job_id, run_name="recomputed", recompute_mlp=True, recompute_logits=True, **run),
+        settings=settings,
+    )
+    assert calls["mlp"] and calls["logits"]  # the flags reached the drafter and the loss
+    assert len(recomputed["history"]) == len(kept["history"]) == 4
+    for a, b in zip(kept["history"], recomputed["history"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["step_losses"] == pytest.approx(a["step_losses"], rel=1e-4)
 
 
 def test_missing_and_corrupted_samples_are_skipped_and_training_goes_on(
