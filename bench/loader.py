@@ -9,7 +9,7 @@ checked against its manifest as in a real run. Then, interleaved, --repeats time
 - loader: every planned batch through `SampleLoader.load` (read, size and sha256 against the manifest, decode,
   collate), one batch after another as the trainer loads them; GB/s of sample-file bytes, and the ratio to raw.
 - training loop, per --step-ms: the Trainer's own `run_training` loop (the group it trains waits for its load while
-  the next group loads on the trainer's one-thread look-ahead executor) with the optimizer step replaced by a
+  the next --prefetch-groups groups load on the trainer's look-ahead executor) with the optimizer step replaced by a
   sleep of that long (`DataOnlyTrainer`); per step, how long it waited for its data. The first step always waits
   (nothing loaded ahead of it), so it is shown apart from the later ones; a step "waited" past 1 ms.
 - training loop, --gpu-step: the same loop with the trainer's own optimizer step on the GPU in place of the sleep (a
@@ -138,6 +138,7 @@ def train_config(job: JobRecord, args: argparse.Namespace) -> TrainConfig:
         max_length=args.tokens_per_sample,  # nothing truncated: every byte read is collated
         grad_accum=args.grad_accum,
         io_threads=args.io_threads,
+        prefetch_groups=args.prefetch_groups,
         heldout_fraction=0.0,  # every shard trains, so every sample is loaded
     )
 
@@ -248,8 +249,8 @@ class DataOnlyTrainer(Trainer):
     """The Trainer's own loop (`run_training`: plan a group, start the next one loading, train the current one)
     with `train` in place of the model's step (a sleep, or the trainer's own step on the GPU), and what the loop would
     save or score at the end left out.
-    The look-ahead itself (`_next_group`, `_start_loading`, `LoadingGroup`, the one-thread executor made in
-    `Trainer.__init__`) is the trainer's code, unchanged."""
+    The look-ahead itself (`_next_group`, `_start_loading`, `LoadingGroup`, the executor made in `Trainer.__init__`)
+    is the trainer's code, unchanged."""
 
     def __init__(
         self,
@@ -445,7 +446,7 @@ def print_table(report: dict[str, Any]) -> None:
     for loop in report["training_loop"]:
         fraction = loop["later_waited_fraction"]
         table.add_row(
-            f"training loop, {loop['step']}, one group loading ahead",
+            f"training loop, {loop['step']}, {config['prefetch_groups']} groups loading ahead",
             show(loop["gb_s"], 2),
             show(loop["ratio_to_raw"], 2),
             f"{show(loop['ms_per_step'])} per step",
@@ -472,6 +473,7 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="padded B x T of one micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step: one group loads them all")
     parser.add_argument("--io-threads", type=int, default=8)
+    parser.add_argument("--prefetch-groups", type=int, default=2, help="groups loading ahead in the training loop")
     parser.add_argument("--storage", choices=("local", "s3"), default="local")
     parser.add_argument("--s3-url", default=None, help="s3://bucket/prefix (default: start SeaweedFS here)")
     parser.add_argument("--step-ms", default="0,200", help="simulated optimizer steps, comma-separated")
@@ -530,6 +532,7 @@ def main() -> None:
             "batch_tokens": args.batch_tokens,
             "grad_accum": args.grad_accum,
             "io_threads": args.io_threads,
+            "prefetch_groups": args.prefetch_groups,
             "storage": args.storage,
             "cache": args.cache,
             "repeats": args.repeats,

@@ -68,6 +68,9 @@ class TrainConfig(BaseModel):
     )
     cache_budget_bytes: int = Field(default=20 * 1024**3, ge=0, description="disk budget of that cache; 0 disables it")
     io_threads: int = Field(default=4, ge=1, description="parallel sample reads per process")
+    prefetch_groups: int = Field(
+        default=2, ge=1, description="optimizer steps' worth of batches loading while the current one trains"
+    )
     pool_tokens: int | None = Field(
         default=None, ge=1, description="tokens shuffled and packed together (default 16 x batch tokens)"
     )
@@ -105,6 +108,7 @@ RESUME_OVERRIDES = frozenset(
         "cache_dir",
         "cache_budget_bytes",
         "io_threads",
+        "prefetch_groups",
         "model_path",
         "device",
         "heldout_max_batches",

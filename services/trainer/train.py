@@ -13,7 +13,7 @@ broadcasts what it learns), so ranks never disagree on when the data, an epoch o
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -283,8 +283,9 @@ class Trainer:
         self.planner, self.loader, self.follower = planner, loader, follower
         self.position = planner.position.model_copy(deep=True)  # as of the last trained group
         self._forming: list[PlannedBatch] = []  # a group planned in part, waiting for the job's next shards
-        # One group loads (reads, verifies, decodes, collates) while the step before it runs on the device.
-        self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="load-ahead")
+        # Groups load (read, verify, decode, collate) while the step before them runs on the device, up to
+        # `prefetch_groups` of them at once.
+        self._prefetch = ThreadPoolExecutor(max_workers=config.prefetch_groups, thread_name_prefix="load-ahead")
         self.step, self.train_tokens, self.clock = 0, 0, clock
         self.history: list[dict[str, Any]] = []
         self.last_saved_step = -1
@@ -333,7 +334,7 @@ class Trainer:
         stop_reason = "end_of_data"
         window: list[StepResult] = []
         window_started = time.monotonic()
-        upcoming: LoadingGroup | None = None
+        upcoming: deque[LoadingGroup] = deque()  # loading, in training order
         try:
             while True:
                 if config.max_steps is not None and self.step >= config.max_steps:
@@ -343,19 +344,22 @@ class Trainer:
                     stop_reason = "max_seconds"
                     break
                 step_started = time.monotonic()
-                if upcoming is None:
+                if not upcoming:
                     group, timed_out = self._next_group(out_of_time, block=True)
                     if timed_out:
                         stop_reason = "max_seconds"
                         break
                     if not group:
                         break
-                    upcoming = self._start_loading(group)
-                current = upcoming
-                # The next group's samples load while this one trains, when the planner has it without waiting
-                # for the job to commit more shards.
-                ahead, _ = self._next_group(out_of_time, block=False)
-                upcoming = self._start_loading(ahead) if ahead else None
+                    upcoming.append(self._start_loading(group))
+                current = upcoming.popleft()
+                # The next groups' samples load while this one trains, as many as the planner has without waiting
+                # for the job to commit more shards, up to prefetch_groups.
+                while len(upcoming) < self.config.prefetch_groups:
+                    ahead, _ = self._next_group(out_of_time, block=False)
+                    if not ahead:
+                        break
+                    upcoming.append(self._start_loading(ahead))
                 result = self._train_group(current)
                 self.position = current.position
                 self.clock.seconds += time.monotonic() - step_started
@@ -371,9 +375,9 @@ class Trainer:
                 if self.step % config.checkpoint_every == 0:
                     self._save_checkpoint()
         finally:
-            if upcoming is not None:  # loaded ahead but never trained: the checkpoint's position is before it
-                upcoming.batches.cancel()
-                wait([upcoming.batches])
+            for loading in upcoming:  # loaded ahead but never trained: the checkpoint's position is before them
+                loading.batches.cancel()
+            wait([loading.batches for loading in upcoming])
         if window:
             self._log_window(window, time.monotonic() - window_started)
         checkpoint = self._save_checkpoint() if self.step != self.last_saved_step else self._last_key()
