@@ -156,7 +156,7 @@ class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, teacher_p, learnable)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-        for rows, logits in _head_chunks(hidden, weight):
+        for rows, logits in _head_chunks(hidden, weight.to(hidden.dtype)):
             chunk_total, _, chunk_argmax = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())
             total += chunk_total
             argmax[rows] = chunk_argmax
@@ -168,20 +168,20 @@ class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
         hidden, weight, teacher_p, learnable = ctx.saved_tensors
         w = weight.to(hidden.dtype)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        for rows, logits in _head_chunks(hidden, weight):
-            _, grad_logits, _ = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())
-            grad_logits = grad_logits * grad_total.to(grad_logits.dtype)  # (n, V_draft)
-            grad_hidden[rows] = grad_logits @ w
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # unscaled, summed over the chunks in fp32
+        for rows, logits in _head_chunks(hidden, w):
+            _, grad_logits, _ = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())  # (n, V_draft)
+            # The loss's scale (fp32) multiplies the products, not the low-precision gradient of the logits.
+            grad_hidden[rows] = ((grad_logits @ w).float() * grad_total).to(hidden.dtype)
             grad_weight += (grad_logits.T @ hidden[rows]).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+        return grad_hidden, (grad_weight * grad_total).to(weight.dtype), None, None
 
 
-def _head_chunks(hidden: Tensor, weight: Tensor) -> Iterator[tuple[tuple[int, slice], Tensor]]:
-    """(index of a chunk of rows of one sequence, its logits): hidden (B, R, H) -> logits (n, V_draft), n rows at a
-    time. Chunks never cross sequences, so the teacher's rows are views of its (B, T, V) tensor, never copies."""
-    w = weight.to(hidden.dtype)
-    chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+def _head_chunks(hidden: Tensor, w: Tensor) -> Iterator[tuple[tuple[int, slice], Tensor]]:
+    """(index of a chunk of rows of one sequence, its logits): hidden (B, R, H) and w (V_draft, H) in the compute
+    dtype -> logits (n, V_draft), n rows at a time. Chunks never cross sequences, so the teacher's rows are views of
+    its (B, T, V) tensor, never copies."""
+    chunk = max(1, HEAD_CHUNK_ELEMENTS // w.shape[0])
     for b in range(hidden.shape[0]):
         for start in range(0, hidden.shape[1], chunk):
             rows = (b, slice(start, start + chunk))

@@ -270,3 +270,29 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
         assert out.step_num_tokens == reference.step_num_tokens
         for got, expected in zip(grads, reference_grads, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast on the GPU, as the trainer runs there")
+def test_recomputing_gives_the_kept_loss_and_gradients_on_cuda_in_bf16() -> None:
+    from bench.trainer_throughput import random_models
+    from bench.vs_specforge import DIMS, random_batch
+    from services.trainer.step import autocast, place_models
+
+    device = torch.device("cuda")
+    drafter, target_head = random_models(DIMS["tiny"])
+    place_models(drafter, target_head, device)
+    batch = random_batch(DIMS["tiny"], 2, 64, seed=1).to(device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def loss_and_grads(recompute: bool) -> tuple:
+        drafter.config.recompute_mlp = drafter.config.recompute_logits = recompute
+        with autocast(device):
+            out = ttt_loss(drafter, target_head, batch)
+        return out, torch.autograd.grad(out.loss, params)
+
+    kept, kept_grads = loss_and_grads(False)
+    recomputed, recomputed_grads = loss_and_grads(True)
+    torch.testing.assert_close(recomputed.loss, kept.loss, rtol=1e-3, atol=1e-4)
+    assert recomputed.step_accuracies == kept.step_accuracies
+    for got, expected in zip(recomputed_grads, kept_grads, strict=True):
+        assert (got - expected).norm() <= 2e-2 * expected.norm() + 1e-6
