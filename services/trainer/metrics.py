@@ -14,6 +14,11 @@ POSITION_ACCURACY = Gauge(
 )
 LEARNING_RATE = Gauge("eagle3_trainer_learning_rate", "Learning rate of the last step", _LABELS)
 TOKENS_PER_SECOND = Gauge("eagle3_trainer_tokens_per_second", "Training tokens/s over the last log window", _LABELS)
+PEAK_DEVICE_MEMORY = Gauge(
+    "eagle3_trainer_peak_device_memory_bytes",
+    "Peak GPU memory allocated by this process over the last log window (GPU runs only)",
+    _LABELS,
+)
 HELDOUT_ACCEPTANCE = Gauge(
     "eagle3_trainer_heldout_simulated_acceptance_length", "Simulated acceptance length on held-out shards", _LABELS
 )

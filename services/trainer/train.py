@@ -497,17 +497,25 @@ class Trainer:
             "train_tokens": self.train_tokens,
             "tokens_per_second": sum(r.tokens for r in window) / max(seconds, 1e-9),
         }
+        device = self.runtime.device
+        memory = ""
+        if device.type == "cuda":  # what long sequences run out of: the window's peak, then counted afresh
+            entry["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            metrics.PEAK_DEVICE_MEMORY.labels(*self.labels).set(entry["peak_device_memory_bytes"])
+            memory = f" peak {entry['peak_device_memory_bytes'] / 2**30:.1f} GiB"
         self.history.append(entry)
         metrics.TOKENS_PER_SECOND.labels(*self.labels).set(entry["tokens_per_second"])
         if self.runtime.rank == 0:
             logger.info(
-                "step %d loss %.4f acc %s lr %.2e grad_norm %.3f %.0f tokens/s",
+                "step %d loss %.4f acc %s lr %.2e grad_norm %.3f %.0f tokens/s%s",
                 self.step,
                 entry["loss"],
                 " ".join(f"{a:.3f}" for a in entry["step_accuracies"]),
                 entry["lr"],
                 entry["grad_norm"],
                 entry["tokens_per_second"],
+                memory,
             )
 
     def _last_key(self) -> str | None:
