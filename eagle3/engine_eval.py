@@ -624,17 +624,14 @@ def _compare_with_own(
     from services.trainer.evaluate import load_target
     from services.trainer.speculative import measure_acceptance
 
-    def measured_before(name: str, file: str) -> bool:  # a resumed evaluation's rows keep their own measurement
-        rows = [r for r in results if (r.drafter, r.file, r.setting) == (name, file, headline.label)]
-        return bool(rows) and all(r.own_acceptance_length is not None for r in rows)
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target_model = load_target(target).to(device)
     for name, drafter in drafters.items():
         drafter.to(device)
         for file, prompts in prompt_sets.items():
-            if measured_before(name, file):
-                continue
+            rows = [r for r in results if (r.drafter, r.file, r.setting) == (name, file, headline.label)]
+            if rows and all(r.own_acceptance_length is not None for r in rows):
+                continue  # measured before this evaluation was resumed
             # SGLang's plain server gives the comparison with greedy decoding; ours only needs the acceptance.
             own = measure_acceptance(
                 target_model,
@@ -644,9 +641,8 @@ def _compare_with_own(
                 max_new_tokens=max_new_tokens,
                 check_greedy=False,
             ).mean_acceptance_length
-            for result in results:
-                if (result.drafter, result.file, result.setting) == (name, file, headline.label):
-                    result.compare_with_own(own)
+            for result in rows:
+                result.compare_with_own(own)
             on_measured()
 
 

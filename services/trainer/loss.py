@@ -222,16 +222,18 @@ def ttt_loss(
         draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
         target_token = torch.empty(B, T, dtype=torch.long, device=device)  # the target's greedy next token
         target_p = torch.empty(B, T, len(draft_vocab), dtype=torch.float32, device=device)  # (B, T, V_draft)
-        # A few thousand rows at a time, so the full vocabulary's logits (V_target x 2 bytes a row) never exist for
-        # a whole long batch. Under autocast the logits are bf16; argmax and the fp32 softmax read them as they are
-        # (an exact upcast), so the full vocabulary never gets an fp32 copy.
+        # A few thousand rows of the flattened batch at a time, so the full vocabulary's logits (V_target x 2 bytes a
+        # row) never exist for a whole long batch, and a batch of short sequences is still a few large matmuls.
+        # Under autocast the logits are bf16; argmax and the fp32 softmax read them as they are (an exact upcast), so
+        # the full vocabulary never gets an fp32 copy.
+        hidden_rows = batch.hidden_state.reshape(B * T, -1)
+        token_rows, p_rows = target_token.view(B * T), target_p.view(B * T, -1)
         chunk = max(1, HEAD_CHUNK_ELEMENTS // target_head.weight.shape[0])
-        for b in range(B):
-            for start in range(0, T, chunk):
-                part = (b, slice(start, start + chunk))
-                target_logits = target_head(batch.hidden_state[part])  # (n, V_target)
-                target_token[part] = target_logits.argmax(-1)
-                target_p[part] = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)
+        for start in range(0, B * T, chunk):
+            part = slice(start, start + chunk)
+            target_logits = target_head(hidden_rows[part])  # (n, V_target)
+            token_rows[part] = target_logits.argmax(-1)
+            p_rows[part] = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)
         target_in_draft = drafter.t2d[target_token]  # (B, T) could the drafter propose it at all?
         predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
 
