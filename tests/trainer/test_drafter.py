@@ -3,7 +3,8 @@
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -391,16 +392,23 @@ def outputs_and_grads(function: Callable[..., torch.Tensor], *inputs: torch.Tens
     return [out.detach(), *(leaf.grad for leaf in leaves)]
 
 
-def saved_bytes(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> int:
-    """Bytes of the tensors autograd keeps for backward (each storage once)."""
+@contextmanager
+def kept_for_backward() -> Iterator[dict[int, int]]:
+    """The storages autograd keeps for backward while inside: data pointer -> bytes (each storage once)."""
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield storages
+
+
+def saved_bytes(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for backward of `function(*inputs)`."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with kept_for_backward() as storages:
         function(*leaves)
     return sum(storages.values())
 
@@ -497,14 +505,8 @@ def test_recomputed_mlp_gives_the_same_unroll_and_keeps_less(compiled: bool) -> 
     saved: list[int] = []
 
     def unroll() -> list[torch.Tensor]:
-        storages: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
         cache, hidden, outputs = TTTCache(), hidden0, []
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with kept_for_backward() as storages:
             for i in range(4):
                 hidden = drafter.backbone(embeds, hidden, positions + i, cache=cache)
                 outputs.append(drafter.compute_logits(hidden[:, : 9 - i]))
