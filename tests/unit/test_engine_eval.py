@@ -234,12 +234,18 @@ def test_the_command_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pyte
     assert "with topk 1 SGLang verifies steps + 1 = 8 tokens" in capsys.readouterr().err
 
 
-def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The orchestration with stand-in servers (tests/fixtures/stand_in_sglang.py) in SGLang's place: one plain
-    server, one per trained setting and one untrained at the first; the first speculative server starts alone."""
+def stand_in_sglang_python(tmp_path: Path) -> Path:
+    """A `--sglang-python` that runs tests/fixtures/stand_in_sglang.py in SGLang's place."""
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests" / "fixtures" / "stand_in_sglang.py"} "$@"\n')
     python.chmod(0o755)
+    return python
+
+
+def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The orchestration with stand-in servers (tests/fixtures/stand_in_sglang.py) in SGLang's place: one plain
+    server, one per trained setting and one untrained at the first; the first speculative server starts alone."""
+    python = stand_in_sglang_python(tmp_path)
     drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
     settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("3,1,4")]
     options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python))
@@ -267,9 +273,7 @@ def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_
 def test_a_resumed_evaluation_measures_only_what_is_missing(tiny_model_dir: Path, tmp_path: Path) -> None:
     """An evaluation cut short (here: its last server's row taken out of the partial file, as if the command had
     ended while that server ran) goes on with that server alone; another drafter starts afresh."""
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} {ROOT / "tests" / "fixtures" / "stand_in_sglang.py"} "$@"\n')
-    python.chmod(0o755)
+    python = stand_in_sglang_python(tmp_path)
     drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
     settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("3,1,4")]
     options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python), resume=True)
