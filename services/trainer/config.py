@@ -66,7 +66,15 @@ class TrainConfig(BaseModel):
     cache_dir: str | None = Field(
         default=None, description="local cache of sample files (default EAGLE3_HOME/trainer-cache)"
     )
-    cache_budget_bytes: int = Field(default=20 * 1024**3, ge=0, description="disk budget of that cache; 0 disables it")
+    cache_budget_bytes: int = Field(
+        default=20 * 1024**3, ge=0, description="disk budget of that cache (remote storage only); 0 disables it"
+    )
+    memory_cache_bytes: int = Field(
+        default=8 * 1024**3,
+        ge=0,
+        description="host memory for decoded samples, so that later epochs skip the read, sha256 and decode of "
+        "what fits; 0 disables it",
+    )
     io_threads: int = Field(default=4, ge=1, description="parallel sample reads per process")
     prefetch_groups: int = Field(
         default=2, ge=1, description="optimizer steps' worth of batches loading while the current one trains"
@@ -107,6 +115,7 @@ RESUME_OVERRIDES = frozenset(
         "metrics_port",
         "cache_dir",
         "cache_budget_bytes",
+        "memory_cache_bytes",
         "io_threads",
         "prefetch_groups",
         "model_path",

@@ -45,6 +45,7 @@ from services.trainer.data import (
     BroadcastShardSource,
     DataPosition,
     DataStats,
+    DecodedSampleCache,
     PlannedBatch,
     SampleCache,
     SampleLoader,
@@ -75,7 +76,7 @@ from shared.lifecycle.schemas import JobRecord, utc_now
 from shared.provenance import check_same, sha256_bytes, target_identity
 from shared.settings import Settings
 from shared.storage import layout
-from shared.storage.objects import Storage, open_storage
+from shared.storage.objects import FileStorage, Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -214,13 +215,20 @@ def build_trainer(
     # The data.
     planner = batch_planner(config, source)
     cache_root = Path(config.cache_dir) if config.cache_dir else settings.home / "trainer-cache"
+    # A copy of local storage's files on local disk would only make each first read a write too.
     cache = (
         SampleCache(cache_root / config.job_id / f"rank{runtime.rank}", config.cache_budget_bytes)
-        if config.cache_budget_bytes > 0
+        if config.cache_budget_bytes > 0 and not isinstance(storage, FileStorage)
         else None
     )
+    decoded = DecodedSampleCache(config.memory_cache_bytes) if config.memory_cache_bytes > 0 else None
     loader = SampleLoader(
-        storage, job_id=config.job_id, hidden_size=expected.hidden_size, cache=cache, io_threads=config.io_threads
+        storage,
+        job_id=config.job_id,
+        hidden_size=expected.hidden_size,
+        cache=cache,
+        decoded=decoded,
+        io_threads=config.io_threads,
     )
     return Trainer(
         config,
@@ -288,6 +296,7 @@ class Trainer:
         self._prefetch = ThreadPoolExecutor(max_workers=config.prefetch_groups, thread_name_prefix="load-ahead")
         self.step, self.train_tokens, self.clock = 0, 0, clock
         self.history: list[dict[str, Any]] = []
+        self.data_wait_s = 0.0  # the log window's time spent waiting for loads: the device idled that long
         self.last_saved_step = -1
         self.labels = (config.job_id, config.run_name)
 
@@ -411,7 +420,9 @@ class Trainer:
 
     def _train_group(self, group: LoadingGroup) -> StepResult:
         A = self.config.grad_accum
+        waited = time.monotonic()
         batches: list[Batch | None] = list(group.batches.result())
+        self.data_wait_s += time.monotonic() - waited
         self.loader.stats.add(group.stats)
         batches += [None] * (A - len(batches))  # placeholders: the last group may be short
         return train_step(
@@ -467,10 +478,16 @@ class Trainer:
             "data_position": self.position.model_dump(exclude={"epoch_shards"}),
             "skipped_samples": sum(s["skipped_samples"] for s in stats),
             "skipped_by_reason": dict(sum((Counter(s["skipped_by_reason"]) for s in stats), Counter())),
+            "memory_cache": self._memory_cache_stats(),
             "rank_parameter_sha256": fingerprints,
             "heldout": heldout,
             "history": self.history,
         }
+
+    def _memory_cache_stats(self) -> dict[str, int] | None:
+        """This rank's decoded-sample cache: samples served from memory, samples read, bytes held."""
+        cache = self.loader.decoded
+        return None if cache is None else {"hits": cache.hits, "misses": cache.misses, "bytes": cache.used_bytes}
 
     # -- what a run shows and keeps
 
@@ -496,7 +513,10 @@ class Trainer:
             "grad_norm": sum(r.grad_norm for r in window) / n,
             "train_tokens": self.train_tokens,
             "tokens_per_second": sum(r.tokens for r in window) / max(seconds, 1e-9),
+            "data_wait_seconds": round(self.data_wait_s, 3),
         }
+        waited = f" waited for data {self.data_wait_s / max(seconds, 1e-9):.0%}"
+        self.data_wait_s = 0.0
         device = self.runtime.device
         memory = ""
         if device.type == "cuda":  # what long sequences run out of: the window's peak, then counted afresh
@@ -508,13 +528,14 @@ class Trainer:
         metrics.TOKENS_PER_SECOND.labels(*self.labels).set(entry["tokens_per_second"])
         if self.runtime.rank == 0:
             logger.info(
-                "step %d loss %.4f acc %s lr %.2e grad_norm %.3f %.0f tokens/s%s",
+                "step %d loss %.4f acc %s lr %.2e grad_norm %.3f %.0f tokens/s%s%s",
                 self.step,
                 entry["loss"],
                 " ".join(f"{a:.3f}" for a in entry["step_accuracies"]),
                 entry["lr"],
                 entry["grad_norm"],
                 entry["tokens_per_second"],
+                waited,
                 memory,
             )
 

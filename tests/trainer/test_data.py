@@ -15,6 +15,7 @@ from services.trainer.data import (
     NOT_READY,
     BatchPlanner,
     DataPosition,
+    DecodedSampleCache,
     IncompatibleJob,
     PlannedBatch,
     SampleCache,
@@ -331,3 +332,30 @@ def test_loader_serves_verified_samples_from_its_cache(
     assert loader.stats.skipped == {}
     for a, b in zip(first, again, strict=True):
         assert a is not None and b is not None and torch.equal(a.hidden_state, b.hidden_state)
+
+
+def test_decoded_cache_keeps_what_fits_and_evicts_nothing() -> None:
+    cache = DecodedSampleCache(budget_bytes=250)
+    record = {"hidden_state": torch.zeros(100, dtype=torch.uint8)}
+    cache.put("a", record)
+    cache.put("b", {"hidden_state": torch.zeros(100, dtype=torch.uint8)})
+    cache.put("c", {"hidden_state": torch.zeros(100, dtype=torch.uint8)})  # past the budget: not kept
+    assert cache.get("a") is record and cache.get("b") is not None and cache.get("c") is None
+    assert (cache.used_bytes, cache.hits, cache.misses) == (200, 2, 1)
+
+
+def test_later_epochs_are_served_from_memory(job: JobRecord, storage: Storage, redis_url: str) -> None:
+    manifest = commit_random_shard(storage, redis.Redis.from_url(redis_url), job, 0)
+    decoded = DecodedSampleCache(budget_bytes=10**9)
+    loader = SampleLoader(storage, job_id=job.job_id, hidden_size=job.hidden_size, decoded=decoded)
+    planned = plan_all([manifest], batch_tokens=1024, max_length=1024)
+    first = [loader.load(b) for b in planned]
+    for sample in manifest.samples:
+        storage.delete(sample.key)  # from now on only memory has them
+    again = [loader.load(b) for b in planned]
+    loader.close()
+    assert loader.stats.skipped == {} and decoded.hits == decoded.misses == len(manifest.samples)
+    for a, b in zip(first, again, strict=True):
+        assert a is not None and b is not None
+        assert torch.equal(a.hidden_state, b.hidden_state) and torch.equal(a.aux_hidden_state, b.aux_hidden_state)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)

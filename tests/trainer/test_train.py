@@ -80,6 +80,10 @@ def test_training_lowers_the_loss(short_run: dict) -> None:
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
     assert short_run["train_tokens"] > 0 and short_run["train_seconds"] > 0
     assert short_run["stop_reason"] == "max_steps"
+    # 40 steps over a few samples are many epochs: after the first, every sample comes from host memory.
+    cache = short_run["memory_cache"]
+    assert cache["misses"] > 0 and cache["hits"] > cache["misses"] and cache["bytes"] > 0
+    assert all(h["data_wait_seconds"] >= 0 for h in short_run["history"])
     assert set(short_run["heldout"]) >= {"acc_per_position", "simulated_acceptance_length"}
     labels = {"job_id": short_run["job_id"], "run_name": "short"}
     assert REGISTRY.get_sample_value("eagle3_trainer_step", labels) == 40
@@ -171,7 +175,17 @@ def test_missing_and_corrupted_samples_are_skipped_and_training_goes_on(
     storage.put(corrupted.key, bytes(data))
     storage.delete(missing.key)
     summary = train(
-        config(job_id, run_name="skip", max_steps=60, epochs=2, heldout_fraction=0.0, cache_budget_bytes=0),
+        # No caches: every epoch reads storage. (Samples with the same bytes share a sha256, so a cache would serve
+        # the corrupted one's bytes from its verified twin: the bytes its manifest promises.)
+        config(
+            job_id,
+            run_name="skip",
+            max_steps=60,
+            epochs=2,
+            heldout_fraction=0.0,
+            cache_budget_bytes=0,
+            memory_cache_bytes=0,
+        ),
         settings=settings_for(storage.url, tmp_path),
     )
     assert summary["stop_reason"] == "end_of_data" and summary["steps"] > 0
