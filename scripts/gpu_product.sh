@@ -52,6 +52,11 @@
 #   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
 #               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
 #               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
+#   regen-ab    regeneration on the capture server as the GPU demo launches it, without and with SGLang's prefill
+#               delayer (REGEN_AB_ARGS, default --enable-prefill-delayer --prefill-delayer-queue-min-ratio 0.2):
+#               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight. On 2026-12-05
+#               the server ran 8,537 prefill batches of 1 to 8 new turns between its decode steps while regenerating
+#               12,000 prompts (each finished turn sends the next), at 13-16K tokens/s with 500 requests running
 #   gpu-tests   the trainer's tests that only run on a GPU (the flash TTT attention, Inductor's compiled backbone, the
 #               lean norm/MLP and the recompute flags in bf16 against the eager paths)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
@@ -146,6 +151,36 @@ from eagle3.engine_eval import engine_table
 Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json'))))" || true
     (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
     [ $rc = 0 ] || exit $rc ;;
+  regen-ab)
+    head -n "${REGEN_CONVERSATIONS:-2048}" "$DATA/train.jsonl" > /tmp/regen_ab.jsonl
+    for variant in plain delayer; do
+      extra=""
+      [ $variant = delayer ] && extra=${REGEN_AB_ARGS:---enable-prefill-delayer --prefill-delayer-queue-min-ratio 0.2}
+      EAGLE3_MODEL_PATH="$MODEL" EAGLE3_INFERENCE_HOST=127.0.0.1 EAGLE3_INFERENCE_PORT=30000 \
+        EAGLE3_SHM_DIR=/tmp/eagle3-shm EAGLE3_SGLANG_MEM_FRACTION_STATIC=0.5 \
+        python3 -m eagle3_sglang_plugin.launch $DEVICE_ARGS --cuda-graph-max-bs-decode 512 $extra \
+        > "$OUTD/regen_$variant.server.log" 2>&1 &
+      pid=$!
+      python3 - $pid <<'PYEOF'
+import os, sys, time, urllib.request
+pid, started = int(sys.argv[1]), time.time()
+while time.time() - started < 240:
+    try:
+        if urllib.request.urlopen("http://127.0.0.1:30000/health", timeout=5).status == 200:
+            print(f"server up after {time.time() - started:.0f} s")
+            sys.exit(0)
+    except OSError:
+        pass
+    os.kill(pid, 0)  # a server that died ends the wait with an error
+    time.sleep(1)
+PYEOF
+      timeout 220 python3 -m bench.sglang_regenerate --url http://127.0.0.1:30000 --model-path "$MODEL" \
+        --dataset /tmp/regen_ab.jsonl --conversations "${REGEN_CONVERSATIONS:-2048}" --concurrency 512 \
+        --max-new-tokens 256 --repeats 1 --json "$OUTD/regen_$variant.json" > "$OUTD/regen_$variant.log" 2>&1
+      echo "--- $variant ($extra): $(grep -c 'Prefill batch' "$OUTD/regen_$variant.server.log") prefill batches"
+      tail -n 12 "$OUTD/regen_$variant.log"
+      kill $pid; wait $pid 2>/dev/null
+    done ;;
   gpu-tests)
     python3 -m pytest -q -p no:cacheprovider tests/trainer/test_drafter.py tests/trainer/test_loss.py -k "cuda" \
       > "$OUTD/gpu_tests.log" 2>&1
