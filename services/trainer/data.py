@@ -565,11 +565,12 @@ class DataStats:
 class DecodedSampleCache:
     """Verified, decoded samples kept in host memory for the epochs after the first, keyed by the file's sha256.
 
-    Reading a sample again costs a read, a sha256 and an unpickling that holds the GIL: with many small samples (a
-    small target's conversations of a few hundred tokens) that, not the step, bounds a GPU trainer's rate (about
-    110K tokens/s on an H200 host with 16 reader threads, 2026-12-04). Samples are kept until `budget_bytes` is
-    full and never evicted: with epochs in a new order each time, any eviction policy would throw out what the
-    next epoch needs as often as not, and what stays hits on every later epoch."""
+    Reading a sample again costs a read, a sha256 and an unpickling that holds the GIL, which the training step's
+    own Python needs to launch its kernels: with many small samples (a small target's conversations of a few
+    hundred tokens) the readers slow the step even when it never waits for them (the GPU demo on an H100,
+    2026-12-05: 88-92K tokens/s in the first epoch, 140-145K once every sample came from here). Samples are kept
+    until `budget_bytes` is full and never evicted: with epochs in a new order each time, any eviction policy would
+    throw out what the next epoch needs as often as not, and what stays hits on every later epoch."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
