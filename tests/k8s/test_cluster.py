@@ -596,8 +596,9 @@ def stack_left(cluster: Cluster) -> list[str]:
     """What of the stack is still in its namespace, the volumes bound to it included; [] once the namespace is gone.
 
     A namespace deleted while its pods terminate stays Terminating after its last object is gone: Kubernetes'
-    namespace controller, finding pods still terminating, looks again only after their grace period (the workers'
-    420 s), and removes the empty namespace then. kube-root-ca.crt is Kubernetes' own, in every namespace."""
+    namespace controller, finding pods still terminating, looks again only after half their grace period (211 s
+    for the workers' 420 s), and removes the empty namespace then. kube-root-ca.crt is Kubernetes' own, in every
+    namespace."""
     if cluster.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0:
         return []
     names = cluster.k("get", "all,pvc,secret,configmap,pdb,hpa", "-o", "name", check=False).split()
