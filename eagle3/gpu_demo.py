@@ -14,7 +14,6 @@ prompt sets training never saw, one of code and one of chat. The report gives ea
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import time
@@ -314,6 +313,7 @@ def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[P
 
 def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, demo_dir: Path) -> dict[str, Any]:
     from services.trainer.config import TrainConfig
+    from services.trainer.data import usable_memory_bytes
     from services.trainer.export import export_checkpoint
     from services.trainer.train import train
 
@@ -329,9 +329,10 @@ def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, 
         heldout_fraction=0.02,
         # GPU utilisation swung between 20% and 85% with 4 reader threads on the H200 (2026-12-03): feed it wider.
         io_threads=16,
-        # The whole job in host memory after the first epoch (12,000 prompts are 28 GB): the readers' unpickling
-        # held the GIL the step launches its kernels with, 88-92K tokens/s against 140-145K from memory (H100).
-        memory_cache_bytes=physical_memory_bytes() // 2,
+        # The machine is the demo's alone: half its memory keeps a 16,000-prompt job's samples (37 GB) after their
+        # first read (the readers' unpickling held the GIL the step launches its kernels with: 88-92K tokens/s in
+        # the first epoch, 140-145K from memory, H100, 2026-12-05).
+        memory_cache_bytes=usable_memory_bytes() // 2,
         checkpoint_every=10**6,  # one checkpoint, at the end
         log_every=50,
     )
@@ -351,10 +352,6 @@ def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, 
         "heldout": {k: v for k, v in (summary.get("heldout") or {}).items() if k != "loss_per_position"},
         "export_dir": str(export_dir.resolve()),
     }
-
-
-def physical_memory_bytes() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def stage_summary(report: dict[str, Any]) -> str:

@@ -69,11 +69,12 @@ class TrainConfig(BaseModel):
     cache_budget_bytes: int = Field(
         default=20 * 1024**3, ge=0, description="disk budget of that cache (remote storage only); 0 disables it"
     )
-    memory_cache_bytes: int = Field(
-        default=8 * 1024**3,
+    memory_cache_bytes: int | None = Field(
+        default=None,
         ge=0,
         description="host memory for decoded samples, so that later epochs skip the read, sha256 and decode of "
-        "what fits; 0 disables it",
+        "what fits (default: a quarter of the memory this process may use, its container's limit or the "
+        "machine's); 0 disables it",
     )
     io_threads: int = Field(default=4, ge=1, description="parallel sample reads per process")
     prefetch_groups: int = Field(

@@ -562,6 +562,17 @@ class DataStats:
         self.skipped.update(other.skipped)
 
 
+def usable_memory_bytes() -> int:
+    """The memory this process may use: its cgroup's limit where one is set (a container's), else the machine's."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
+        with contextlib.suppress(OSError):
+            text = Path(limit_file).read_text().strip()
+            if text.isdigit():  # v2 says "max" without a limit, v1 a number beyond the machine's memory
+                return min(int(text), physical)
+    return physical
+
+
 class DecodedSampleCache:
     """Verified, decoded samples kept in host memory for the epochs after the first, keyed by the file's sha256.
 

@@ -53,6 +53,7 @@ from services.trainer.data import (
     ShardSource,
     TargetSignature,
     plan_all,
+    usable_memory_bytes,
 )
 from services.trainer.distributed import Runtime, init_runtime
 from services.trainer.drafter import Eagle3Drafter, TargetHead, build_drafter, read_target_config
@@ -221,7 +222,10 @@ def build_trainer(
         if config.cache_budget_bytes > 0 and not isinstance(storage, FileStorage)
         else None
     )
-    decoded = DecodedSampleCache(config.memory_cache_bytes) if config.memory_cache_bytes > 0 else None
+    memory_cache_bytes = config.memory_cache_bytes
+    if memory_cache_bytes is None:
+        memory_cache_bytes = usable_memory_bytes() // 4
+    decoded = DecodedSampleCache(memory_cache_bytes) if memory_cache_bytes > 0 else None
     loader = SampleLoader(
         storage,
         job_id=config.job_id,
