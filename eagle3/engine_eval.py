@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import free_port
-from eagle3.server_process import ServerLaunch, server_processes, stock_argv
+from eagle3.server_process import ServerLaunch, ServerProcessError, server_processes, stock_argv
 from shared import intervals
 from shared.errors import ConfigurationError, Eagle3Error
 from shared.settings import Settings
@@ -406,6 +406,7 @@ def evaluate_on_engine(
         "launch": "one server at a time" if options.url is None else "running servers",
         "best_setting": best_setting(results),
         "results": [result.as_dict() for result in results],
+        "refused": progress.refused,
     }
 
 
@@ -480,8 +481,17 @@ def measure_launched(
         if progress.measured(drafter_name, server_setting):
             logger.info("measured before (%s): %s %s", progress.path, drafter_name or "plain", server_setting or "")
             continue
-        with server_processes([launch], python=options.sglang_python) as (url,):
-            measure(drafter_name, server_setting, url)
+        try:
+            with server_processes([launch], python=options.sglang_python) as (url,):
+                measure(drafter_name, server_setting, url)
+        except ServerProcessError as exc:
+            if drafter_name is None or server_setting is None:
+                raise  # without the plain server there is nothing to compare with
+            # A setting this SGLang set-up does not serve (a tree on some attention backends, say) is a row of the
+            # sweep that says why, not the end of the sweep.
+            logger.error("%s drafter, setting %s: not served: %s", drafter_name, server_setting.label, exc)
+            progress.refused.append({"drafter": drafter_name, "setting": server_setting.label, "reason": str(exc)})
+            progress.save()
     return progress
 
 
@@ -496,6 +506,7 @@ class EvalProgress:
     key: dict[str, Any]  # what the measurements are of (`evaluation_key`): a resume with another key starts afresh
     plain: dict[str, ServerRun] | None = None  # the plain server's runs per file
     results: list[EngineResult] = field(default_factory=list)
+    refused: list[dict[str, str]] = field(default_factory=list)  # drafter, setting, reason: servers that never came up
 
     @classmethod
     def start(cls, work: Path, key: dict[str, Any], resume: bool) -> "EvalProgress":
@@ -510,19 +521,21 @@ class EvalProgress:
             return progress
         progress.plain = _PLAIN_RUNS.validate_python(saved["plain"]) if saved.get("plain") is not None else None
         progress.results = [_RESULT.validate_python(result) for result in saved["results"]]
+        progress.refused = saved.get("refused", [])
         logger.info("resuming from %s: %d rows measured before", progress.path, len(progress.results))
         return progress
 
     def measured(self, drafter: str | None, setting: SpeculativeConfig | None) -> bool:
         if drafter is None or setting is None:
             return self.plain is not None
-        return any((r.drafter, r.setting) == (drafter, setting.label) for r in self.results)
+        done = [(r.drafter, r.setting) for r in self.results] + [(r["drafter"], r["setting"]) for r in self.refused]
+        return (drafter, setting.label) in done
 
     def save(self) -> None:
         plain = {f: asdict(run) for f, run in self.plain.items()} if self.plain is not None else None
-        self.path.write_text(
-            json.dumps({"key": self.key, "plain": plain, "results": [r.as_dict() for r in self.results]}, indent=2)
-        )
+        results = [r.as_dict() for r in self.results]
+        saved = {"key": self.key, "plain": plain, "results": results, "refused": self.refused}
+        self.path.write_text(json.dumps(saved, indent=2))
 
 
 _PLAIN_RUNS = TypeAdapter(dict[str, ServerRun])
@@ -813,11 +826,18 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    console = Console()
+    print_engine_report(report, Console())
+
+
+def print_engine_report(report: dict[str, Any], console: Console) -> None:
+    """The table, what it could not say in a cell, and the fastest setting."""
     console.print(engine_table(report))
     for row in report["results"]:
         for note in row["notes"]:
             console.print(f"[yellow]{Path(row['file']).name}, {row['drafter']}, {row['setting']}: {note}[/]")
+    for refused in report.get("refused", []):  # reports written before it was kept have none
+        reason = refused["reason"].splitlines()[-1] if refused["reason"] else ""
+        console.print(f"[yellow]{refused['drafter']}, {refused['setting']}: SGLang did not serve it ({reason})[/]")
     if report["best_setting"]:
         best = report["best_setting"]
         console.print(f"fastest setting at batch 1: {best['setting']} ({best['median_speedup']:.2f}x plain, median)")

@@ -147,8 +147,8 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
     python3 -c "
 import json, sys
 from rich.console import Console
-from eagle3.engine_eval import engine_table
-Console(width=250).print(engine_table(json.load(open('$OUTD/engine_eval.json'))))" || true
+from eagle3.engine_eval import print_engine_report
+print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250))" || true
     (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)

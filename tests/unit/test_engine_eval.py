@@ -23,12 +23,12 @@ from eagle3.engine_eval import (
     SpeculativeConfig,
     best_setting,
     engine_acceptance,
-    engine_table,
     generate,
     load_requests,
     matching_outputs,
     measure_launched,
     position_acceptance,
+    print_engine_report,
     serving_args,
 )
 from eagle3.server_process import stock_argv
@@ -55,7 +55,7 @@ def sglang_parse(argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("setting", ["7,1,8", "3,1,4", "5,4,16"])
+@pytest.mark.parametrize("setting", ["7,1,8", "3,1,4", "5,4,16", "6,4,16"])
 def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Path) -> None:
     config = SpeculativeConfig.parse(setting)
     options = EngineEvalOptions(settings=[config], concurrency=16, sglang_args=DEVICE_ARGS)
@@ -216,14 +216,18 @@ def test_the_table_and_the_fastest_setting(monkeypatch: pytest.MonkeyPatch) -> N
         "concurrency": 16,
         "repeats": 2,
         "results": [r.as_dict() for r in rows],
+        "best_setting": best_setting(rows),
+        "refused": [{"drafter": "trained", "setting": "5,4,16", "reason": "server exited\nValueError: no trees"}],
     }
-    assert best_setting(rows) == {"setting": "3,1,4", "median_speedup": pytest.approx(1.75)}
+    assert report["best_setting"] == {"setting": "3,1,4", "median_speedup": pytest.approx(1.75)}
     from rich.console import Console
 
     console = Console(width=300, record=True, file=io.StringIO())
-    console.print(engine_table(report))
+    print_engine_report(report, console)
     text = console.export_text()
     assert "1.25x" in text and "1.75x" in text and "0.75x" in text and "code.jsonl" in text
+    assert "trained, 5,4,16: SGLang did not serve it (ValueError: no trees)" in text
+    assert "fastest setting at batch 1: 3,1,4 (1.75x plain, median)" in text
 
 
 def test_the_command_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -268,6 +272,28 @@ def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_
     untrained = (tmp_path / "work" / "untrained" / "sglang-7-1-8.log").read_text()
     assert f"--speculative-draft-model-path {tmp_path / 'work' / 'drafter-untrained'}" in untrained
     assert len(json.loads((tmp_path / "work" / "engine-eval-partial.json").read_text())["results"]) == 3
+
+
+def test_a_setting_sglang_does_not_serve_is_said_and_the_sweep_goes_on(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A server that exits before it is healthy (the stand-in refuses trees) leaves a row that says why; the other
+    settings and the untrained drafter are measured, and a resumed evaluation does not launch it again."""
+    python = stand_in_sglang_python(tmp_path)
+    drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
+    settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("5,4,16")]
+    options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python), resume=True)
+    prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+    work = tmp_path / "work"
+
+    progress = measure_launched(tiny_model_dir, drafters, prompts, options, work)
+
+    assert [(r.drafter, r.setting) for r in progress.results] == [("trained", "7,1,8"), ("untrained", "7,1,8")]
+    [refused] = progress.refused
+    assert (refused["drafter"], refused["setting"]) == ("trained", "5,4,16")
+    assert "serves chains only" in refused["reason"]
+    tree_log = work / "trained" / "sglang-5-4-16.log"
+    launched = tree_log.stat().st_mtime_ns
+    again = measure_launched(tiny_model_dir, drafters, prompts, options, work)
+    assert again.refused == progress.refused and tree_log.stat().st_mtime_ns == launched
 
 
 def test_a_resumed_evaluation_measures_only_what_is_missing(tiny_model_dir: Path, tmp_path: Path) -> None:
