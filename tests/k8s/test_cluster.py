@@ -56,6 +56,7 @@ NAMESPACE = "eagle3"
 # probe's 10 minutes to load the model; on an idle 2-core machine the whole stack takes about two.
 READY_TIMEOUT_S = 600
 WORKER = "app.kubernetes.io/component=worker"
+STACK = "app.kubernetes.io/part-of=eagle3-factory"  # k8s/base's label on every object it makes
 JOBS: dict[str, str] = {}  # jobs one test leaves for a later one
 
 
@@ -194,7 +195,7 @@ class Cluster:
                 [
                     "logs",
                     "-l",
-                    "app.kubernetes.io/part-of=eagle3-factory",
+                    STACK,
                     "--all-containers",
                     "--prefix",
                     "--tail=300",
@@ -590,20 +591,19 @@ def test_delete_leaves_nothing_running(cluster: Cluster) -> None:
     except pytest.fail.Exception:
         pytest.fail(f"namespace {NAMESPACE} not emptied after delete -k; left: {stack_left(cluster)}")
     TIMINGS_S["kubectl delete -k until nothing of the stack is left"] = time.monotonic() - started
+    # The namespace goes too, with the Secret the user made in it, once Kubernetes' namespace controller looks again.
+    phase = cluster.kubectl("get", "namespace", NAMESPACE, "-o", "jsonpath={.status.phase}", check=False)
+    assert phase.returncode != 0 or phase.stdout.decode() == "Terminating", phase.stdout.decode()
 
 
 def stack_left(cluster: Cluster) -> list[str]:
-    """What of the stack is still in its namespace, the volumes bound to it included; [] once the namespace is gone.
+    """What `kubectl delete -k` removes that is still there: the overlay's objects (k8s/base labels every one) and
+    the namespace's volume claims; [] once the namespace is gone.
 
-    A namespace deleted while its pods terminate stays Terminating after its last object is gone: Kubernetes'
-    namespace controller, finding pods still terminating, looks again only after half their grace period (211 s
-    for the workers' 420 s), and removes the empty namespace then. kube-root-ca.crt is Kubernetes' own, in every
-    namespace."""
+    The namespace itself, and in it the Secret a user creates with kubectl as docs/deployment.md says, goes when
+    Kubernetes' namespace controller looks again: having found pods still terminating, it waits half their grace
+    period (211 s for the workers' 420 s), and then finds an empty namespace."""
     if cluster.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0:
         return []
-    names = cluster.k("get", "all,pvc,secret,configmap,pdb,hpa", "-o", "name", check=False).split()
-    names = [name for name in names if name != "configmap/kube-root-ca.crt"]
-    volumes = cluster.kubectl("get", "pv", "-o", "json", check=False)
-    items = json.loads(volumes.stdout)["items"] if volumes.returncode == 0 else []
-    bound = [pv["metadata"]["name"] for pv in items if pv["spec"].get("claimRef", {}).get("namespace") == NAMESPACE]
-    return names + [f"persistentvolume/{name}" for name in bound]
+    objects = cluster.k("get", "all,configmap,pdb,hpa", "-l", STACK, "-o", "name", check=False).split()
+    return objects + cluster.k("get", "pvc", "-o", "name", check=False).split()
