@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -246,16 +247,27 @@ def stand_in_sglang_python(tmp_path: Path) -> Path:
     return python
 
 
+TWO_PROMPTS = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+
+
+def stand_in_evaluation(
+    model_dir: Path, tmp_path: Path, settings: list[str], *, resume: bool = False
+) -> tuple[dict[str, Any], EngineEvalOptions]:
+    """A trained and an untrained drafter, and the options that serve them at `settings` from stand-in servers."""
+    drafters = {"trained": bf16_drafter(model_dir), "untrained": bf16_drafter(model_dir)}
+    python = stand_in_sglang_python(tmp_path)
+    parsed = [SpeculativeConfig.parse(setting) for setting in settings]
+    return drafters, EngineEvalOptions(
+        settings=parsed, concurrency=2, repeats=1, sglang_python=str(python), resume=resume
+    )
+
+
 def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The orchestration with stand-in servers (tests/fixtures/stand_in_sglang.py) in SGLang's place: one plain
     server, one per trained setting and one untrained at the first; the first speculative server starts alone."""
-    python = stand_in_sglang_python(tmp_path)
-    drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
-    settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("3,1,4")]
-    options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python))
-    prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+    drafters, options = stand_in_evaluation(tiny_model_dir, tmp_path, ["7,1,8", "3,1,4"])
 
-    results = measure_launched(tiny_model_dir, drafters, prompts, options, tmp_path / "work").results
+    results = measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, tmp_path / "work").results
 
     assert [(r.drafter, r.setting) for r in results] == [
         ("trained", "7,1,8"),
@@ -277,14 +289,10 @@ def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_
 def test_a_setting_sglang_does_not_serve_is_said_and_the_sweep_goes_on(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A server that exits before it is healthy (the stand-in refuses trees) leaves a row that says why; the other
     settings and the untrained drafter are measured, and a resumed evaluation does not launch it again."""
-    python = stand_in_sglang_python(tmp_path)
-    drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
-    settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("5,4,16")]
-    options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python), resume=True)
-    prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+    drafters, options = stand_in_evaluation(tiny_model_dir, tmp_path, ["7,1,8", "5,4,16"], resume=True)
     work = tmp_path / "work"
 
-    progress = measure_launched(tiny_model_dir, drafters, prompts, options, work)
+    progress = measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, work)
 
     assert [(r.drafter, r.setting) for r in progress.results] == [("trained", "7,1,8"), ("untrained", "7,1,8")]
     [refused] = progress.refused
@@ -292,27 +300,23 @@ def test_a_setting_sglang_does_not_serve_is_said_and_the_sweep_goes_on(tiny_mode
     assert "serves chains only" in refused["reason"]
     tree_log = work / "trained" / "sglang-5-4-16.log"
     launched = tree_log.stat().st_mtime_ns
-    again = measure_launched(tiny_model_dir, drafters, prompts, options, work)
+    again = measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, work)
     assert again.refused == progress.refused and tree_log.stat().st_mtime_ns == launched
 
 
 def test_a_resumed_evaluation_measures_only_what_is_missing(tiny_model_dir: Path, tmp_path: Path) -> None:
     """An evaluation cut short (here: its last server's row taken out of the partial file, as if the command had
     ended while that server ran) goes on with that server alone; another drafter starts afresh."""
-    python = stand_in_sglang_python(tmp_path)
-    drafters = {"trained": bf16_drafter(tiny_model_dir), "untrained": bf16_drafter(tiny_model_dir)}
-    settings = [SpeculativeConfig.parse("7,1,8"), SpeculativeConfig.parse("3,1,4")]
-    options = EngineEvalOptions(settings=settings, concurrency=2, repeats=1, sglang_python=str(python), resume=True)
-    prompts = {"code.jsonl": [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]}
+    drafters, options = stand_in_evaluation(tiny_model_dir, tmp_path, ["7,1,8", "3,1,4"], resume=True)
     work = tmp_path / "work"
-    first = measure_launched(tiny_model_dir, drafters, prompts, options, work).results
+    first = measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, work).results
 
     partial = work / "engine-eval-partial.json"
     saved = json.loads(partial.read_text())
     saved["results"] = saved["results"][:2]  # the untrained server's row was never written
     partial.write_text(json.dumps(saved))
     logs = {log: log.stat().st_mtime_ns for log in work.rglob("sglang-*.log")}
-    resumed = measure_launched(tiny_model_dir, drafters, prompts, options, work).results
+    resumed = measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, work).results
 
     # The rows measured before come back as they were; the new one is measured against the saved plain runs.
     assert [r.as_dict() for r in resumed[:2]] == [r.as_dict() for r in first[:2]]
@@ -324,5 +328,5 @@ def test_a_resumed_evaluation_measures_only_what_is_missing(tiny_model_dir: Path
 
     with torch.no_grad():
         drafters["trained"].lm_head.weight.add_(1.0)  # another drafter: nothing measured before counts
-    measure_launched(tiny_model_dir, drafters, prompts, options, work)
+    measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, work)
     assert all(log.stat().st_mtime_ns != logs[log] for log in work.rglob("sglang-*.log"))
