@@ -156,30 +156,25 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     for variant in plain delayer; do
       extra=""
       [ $variant = delayer ] && extra=${REGEN_AB_ARGS:---enable-prefill-delayer --prefill-delayer-queue-min-ratio 0.2}
+      # The project's server_process: healthy before use, and stopped with SGLang's scheduler and detokenizer.
       EAGLE3_MODEL_PATH="$MODEL" EAGLE3_INFERENCE_HOST=127.0.0.1 EAGLE3_INFERENCE_PORT=30000 \
         EAGLE3_SHM_DIR=/tmp/eagle3-shm EAGLE3_SGLANG_MEM_FRACTION_STATIC=0.5 \
-        python3 -m eagle3_sglang_plugin.launch $DEVICE_ARGS --cuda-graph-max-bs-decode 512 $extra \
-        > "$OUTD/regen_$variant.server.log" 2>&1 &
-      pid=$!
-      python3 - $pid <<'PYEOF'
-import os, sys, time, urllib.request
-pid, started = int(sys.argv[1]), time.time()
-while time.time() - started < 240:
-    try:
-        if urllib.request.urlopen("http://127.0.0.1:30000/health", timeout=5).status == 200:
-            print(f"server up after {time.time() - started:.0f} s")
-            sys.exit(0)
-    except OSError:
-        pass
-    os.kill(pid, 0)  # a server that died ends the wait with an error
-    time.sleep(1)
+        python3 - "$OUTD/regen_$variant" "$MODEL" "${REGEN_CONVERSATIONS:-2048}" \
+        $DEVICE_ARGS --cuda-graph-max-bs-decode 512 $extra <<'PYEOF'
+import subprocess, sys
+from pathlib import Path
+from eagle3.server_process import server_process
+out, model, conversations, server_args = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+launcher = ["-m", "eagle3_sglang_plugin.launch", *server_args]
+with server_process(launcher, url="http://127.0.0.1:30000", log=Path(f"{out}.server.log")) as url:
+    bench = ["-m", "bench.sglang_regenerate", "--url", url, "--model-path", model, "--dataset", "/tmp/regen_ab.jsonl",
+             "--conversations", conversations, "--concurrency", "512", "--max-new-tokens", "256", "--repeats", "1",
+             "--json", f"{out}.json"]
+    with open(f"{out}.log", "w") as log:
+        subprocess.run([sys.executable, *bench], stdout=log, stderr=subprocess.STDOUT, timeout=220, check=False)
 PYEOF
-      timeout 220 python3 -m bench.sglang_regenerate --url http://127.0.0.1:30000 --model-path "$MODEL" \
-        --dataset /tmp/regen_ab.jsonl --conversations "${REGEN_CONVERSATIONS:-2048}" --concurrency 512 \
-        --max-new-tokens 256 --repeats 1 --json "$OUTD/regen_$variant.json" > "$OUTD/regen_$variant.log" 2>&1
       echo "--- $variant ($extra): $(grep -c 'Prefill batch' "$OUTD/regen_$variant.server.log") prefill batches"
       tail -n 12 "$OUTD/regen_$variant.log"
-      kill $pid; wait $pid 2>/dev/null
     done ;;
   gpu-tests)
     python3 -m pytest -q -p no:cacheprovider tests/trainer/test_drafter.py tests/trainer/test_loss.py -k "cuda" \
