@@ -605,5 +605,6 @@ def stack_left(cluster: Cluster) -> list[str]:
     period (211 s for the workers' 420 s), and then finds an empty namespace."""
     if cluster.kubectl("get", "namespace", NAMESPACE, check=False).returncode != 0:
         return []
-    objects = cluster.k("get", "all,configmap,pdb,hpa", "-l", STACK, "-o", "name", check=False).split()
-    return objects + cluster.k("get", "pvc", "-o", "name", check=False).split()
+    # Checked: a kubectl that failed must not read as an empty namespace.
+    objects = cluster.k("get", "all,configmap,pdb,hpa", "-l", STACK, "-o", "name").split()
+    return objects + cluster.k("get", "pvc", "-o", "name").split()
