@@ -312,6 +312,16 @@ class EngineResult:
         return self.tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else None
 
     @property
+    def break_even_acceptance(self) -> float | None:
+        """The acceptance length at which this setting would decode as fast as plain at batch 1: a speculative
+        step's cost in plain tokens (its tokens over its rate, against one over plain's). A drafter that accepts
+        k times this is about k times faster, the step's cost hardly depending on what it accepts."""
+        length = self.acceptance.acceptance_length
+        if not self.plain_tokens_per_s or not self.tokens_per_s or not math.isfinite(length):
+            return None
+        return length * self.plain_tokens_per_s / self.tokens_per_s
+
+    @property
     def concurrent_speedup(self) -> float | None:
         if self.concurrent_tokens_per_s is None or not self.plain_concurrent_tokens_per_s:
             return None
@@ -327,7 +337,11 @@ class EngineResult:
             )
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"speedup": self.speedup, "concurrent_speedup": self.concurrent_speedup}
+        return asdict(self) | {
+            "speedup": self.speedup,
+            "break_even_acceptance": self.break_even_acceptance,
+            "concurrent_speedup": self.concurrent_speedup,
+        }
 
 
 @dataclass
@@ -697,7 +711,9 @@ def engine_table(report: dict[str, Any]) -> Table:
     table = Table(
         title=f"SGLang EAGLE-3: {report['checkpoint']} (step {report['step']}), greedy, up to "
         f"{report['max_new_tokens']} new tokens per prompt; tokens/s medians of {report['repeats']} runs",
-        caption="setting = steps,topk,draft tokens; ours = the project's own measured acceptance, same prompts",
+        caption="setting = steps,topk,draft tokens; ours = the project's own measured acceptance, same prompts; "
+        "break-even = the acceptance length at which the setting's step decodes as fast as plain at batch 1 (x1.5 "
+        "for 1.5x)",
     )
     for column in ("prompts file", "drafter", "setting"):
         table.add_column(column, overflow="fold")
@@ -705,7 +721,14 @@ def engine_table(report: dict[str, Any]) -> Table:
         table.add_column(column, justify="right")
     table.add_column("acceptance per draft position")
     table.add_column("matches greedy", justify="right")
-    for column in ("tok/s b1", "plain b1", "speedup b1", f"tok/s @{concurrency}", f"plain @{concurrency}"):
+    for column in (
+        "tok/s b1",
+        "plain b1",
+        "speedup b1",
+        "break-even",
+        f"tok/s @{concurrency}",
+        f"plain @{concurrency}",
+    ):
         table.add_column(column, justify="right")
     table.add_column(f"speedup @{concurrency}", justify="right")
     files = {row["file"] for row in report["results"]}
@@ -728,6 +751,7 @@ def engine_table(report: dict[str, Any]) -> Table:
             _rate(row["tokens_per_s"]),
             _rate(row["plain_tokens_per_s"]),
             _ratio(row["speedup"]),
+            "-" if row.get("break_even_acceptance") is None else f"{row['break_even_acceptance']:.2f}",
             _rate(row["concurrent_tokens_per_s"]),
             _rate(row["plain_concurrent_tokens_per_s"]),
             _ratio(row["concurrent_speedup"]),

@@ -227,6 +227,8 @@ def test_the_table_and_the_fastest_setting(monkeypatch: pytest.MonkeyPatch) -> N
     print_engine_report(report, console)
     text = console.export_text()
     assert "1.25x" in text and "1.75x" in text and "0.75x" in text and "code.jsonl" in text
+    # 7,1,8: 2 tokens a step at 500 tokens/s is 4 ms a step, 1.6 plain tokens at 400 tokens/s: even at 1.6
+    assert rows[0].break_even_acceptance == pytest.approx(1.6) and " 1.60 " in text
     assert "trained, 5,4,16: SGLang did not serve it (ValueError: no trees)" in text
     assert "fastest setting at batch 1: 3,1,4 (1.75x plain, median)" in text
 
