@@ -48,7 +48,10 @@ GPU_DEMO_MIX = "chat=0.45,code=0.45,instructions=0.1"
 SGLANG_START_TIMEOUT_S = 900.0
 # Prefill yardstick: 16 waves of the extraction's requests in flight are a steady rate; all 12,000 conversations of
 # the 2026-12-05 run took 44 s of a 10-minute command for the same figure.
-PREFILL_SAMPLE_WAVES = 16  # kernels compile and CUDA graphs are captured at first start
+PREFILL_SAMPLE_WAVES = 16
+# Decoding yardstick: two waves of the regeneration's concurrency ended in a tail of a few long turns decoding alone
+# (8.4K tokens/s against the job's 24.6K, H200, 2026-12-05); eight are mostly a full batch, as the job is.
+DECODE_SAMPLE_WAVES = 8  # kernels compile and CUDA graphs are captured at first start
 # Chains of 7 and 5 drafts. A chain of 3 served slowest of the three in both H200 runs (docs/benchmarks.md): a
 # speculative step's cost is mostly fixed, so fewer drafts save little and accept less.
 # A chain (the project's own decoding is compared with SGLang's there) and a tree: on a small target a verify of 16
@@ -60,8 +63,9 @@ GPU_DEFAULTS = {
     "max_length": 2048,
     "shard_token_budget": 65536,
     "draft_vocab_size": 16384,
-    # A quarter of the 384-token answers were cut while repeating themselves; shorter answers are more prompts.
-    "regenerate_max_new_tokens": 256,
+    # As long as the evaluation decodes: the drafter is judged on answers' first 128 tokens, and for the same GPU
+    # time shorter answers are more prompts (18,000 at 128 against 12,000 at 256, 2026-12-05, docs/benchmarks.md).
+    "regenerate_max_new_tokens": 128,
     "eval_max_new_tokens": 128,
     "train_batch_tokens": 32768,
     "train_seconds": 300,
@@ -268,10 +272,11 @@ def sglang_baselines(
     max_length: int,
 ) -> dict[str, Any]:
     """SGLang's own rates on the demo's work, on the same server with no queue, worker or storage in between:
-    greedy decoding of the regenerated turns' prompts at the regeneration's concurrency (a sample of twice that
-    many turns, longest prompts first, as the workers order them), and the prefill (one new token) of the extracted
-    conversations at the extraction's concurrency (every one, up to PREFILL_SAMPLE_WAVES times that concurrency:
-    an even sample of them beyond). The stages' rates over these are the stack's cost."""
+    greedy decoding of the regenerated turns' prompts at the regeneration's concurrency (a sample of
+    DECODE_SAMPLE_WAVES times that many turns, longest prompts first, as the workers order them), and the prefill
+    (one new token) of the extracted conversations at the extraction's concurrency (every one, up to
+    PREFILL_SAMPLE_WAVES times that concurrency: an even sample of them beyond). The stages' rates over these are
+    the stack's cost."""
     chat = ChatTokenizer.from_pretrained(model)
     turns = [
         chat.generation_prompt(conv, conv.messages[:index])
@@ -279,7 +284,7 @@ def sglang_baselines(
         for index, message in enumerate(conv.messages)
         if message.role == "assistant"
     ]
-    turns = sorted(turns[: 2 * decode_concurrency], key=len, reverse=True)
+    turns = sorted(turns[: DECODE_SAMPLE_WAVES * decode_concurrency], key=len, reverse=True)
     completions, decode_s = decode_all(url, turns, max_new_tokens=max_new_tokens, concurrency=decode_concurrency)
     generated = sum(len(c.output_ids) for c in completions)
     every = max(1, math.ceil(len(conversations) / (PREFILL_SAMPLE_WAVES * prefill_concurrency)))
@@ -337,7 +342,7 @@ def train_and_export(job_id: str, settings: Settings, args: argparse.Namespace, 
         heldout_fraction=0.02,
         # GPU utilisation swung between 20% and 85% with 4 reader threads on the H200 (2026-12-03): feed it wider.
         io_threads=16,
-        # The machine is the demo's alone: half its memory keeps a 16,000-prompt job's samples (37 GB) after their
+        # The machine is the demo's alone: half its memory keeps an 18,000-prompt job's samples (30 GB) after their
         # first read (the readers' unpickling held the GIL the step launches its kernels with: 88-92K tokens/s in
         # the first epoch, 140-145K from memory, H100, 2026-12-05).
         memory_cache_bytes=usable_memory_bytes() // 2,
@@ -396,7 +401,7 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu", action="store_true", help="the whole pipeline on this machine's GPU with SGLang")
     group.add_argument("--dataset", help="training prompts (any dataset format); default: the built prompt mix")
     group.add_argument("--eval-prompts-file", action="append", help="a held-out prompt set; repeat")
-    group.add_argument("--prompts", type=int, default=16000, help="training prompts of the built mix")
+    group.add_argument("--prompts", type=int, default=18000, help="training prompts of the built mix")
     group.add_argument("--mix", default=GPU_DEMO_MIX, help=f"shares of the built mix (default {GPU_DEMO_MIX})")
     group.add_argument("--holdout-prompts", type=int, default=32, help="prompts per held-out set of the built mix")
     group.add_argument("--sglang-python", default=sys.executable, help="the Python that has SGLang and the plugin")

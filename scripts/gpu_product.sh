@@ -7,7 +7,7 @@
 # command may send). Made here first: the folders of make_sglang_carry.sh flashmla model stack (again after the
 # project's code changed: .sgl_b2 carries the capture plugin built from it), with the stack's wheels moved into the
 # model's halves (botocore to .sgl_m1, the rest to .sgl_m2: the device script stages every .sgl_m* wheel as it
-# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 12000 --eval 24 --mix
+# stages .sgl_s), the prompts (`eagle3 prompts --out .gpu_data --train 18000 --eval 24 --mix
 # chat=0.45,code=0.45,instructions=0.1`, the GPU demo's mix, then `gzip .gpu_data/*`)
 # and the small wheels in .gpu_wheels (specforge-0.2.0 and tzlocal: what the steps need beyond the SGLang set and the
 # stack's wheels):
@@ -20,7 +20,8 @@
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
 #                                               (again if cut short: it goes on from the servers it measured)
-# 12,000 training prompts (`--train 12000`) fit the extract stage in a command: 540 s on an H100, 2026-12-05.
+# 18,000 training prompts (`--train 18000`) took the extract stage 357 s on an H200, 2026-12-05 (SGLang's prefill
+# delayer on, answers of at most 128 tokens: the demo's defaults since); 12,000 had taken 540 s without them.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
 # some small wheels: after 4 (.gpu_wheels then also holds specforge-0.2.0-py3-none-any.whl), or on a fresh machine
 # with one carry, .gpu_trainer (24 MiB), each under the 10 minutes a command may run. Made here with
@@ -52,11 +53,11 @@
 #   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
 #               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
 #               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
-#   regen-ab    regeneration on the capture server as the GPU demo launches it, without and with SGLang's prefill
-#               delayer (REGEN_AB_ARGS, default --enable-prefill-delayer --prefill-delayer-queue-min-ratio 0.2):
-#               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight. On 2026-12-05
-#               the server ran 8,537 prefill batches of 1 to 8 new turns between its decode steps while regenerating
-#               12,000 prompts (each finished turn sends the next), at 13-16K tokens/s with 500 requests running
+#   regen-ab    regeneration on the capture server as the GPU demo launches it, without SGLang's prefill delayer
+#               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
+#               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
+#               prefill batches counted. Without it the server ran 8,537 prefill batches of 1 to 8 new turns between
+#               its decode steps for 12,000 prompts (H100, 13-16K tokens/s); with it 1,800 for 18,000 (H200, 24.6K)
 #   gpu-tests   the trainer's tests that only run on a GPU (the flash TTT attention, Inductor's compiled backbone, the
 #               lean norm/MLP and the recompute flags in bf16 against the eager paths)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
@@ -154,12 +155,12 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)
     head -n "${REGEN_CONVERSATIONS:-2048}" "$DATA/train.jsonl" > /tmp/regen_ab.jsonl
-    for variant in plain delayer; do
-      extra=""
-      [ $variant = delayer ] && extra=${REGEN_AB_ARGS:---enable-prefill-delayer --prefill-delayer-queue-min-ratio 0.2}
+    for variant in no-delayer delayer; do
+      extra="" delayer=0
+      [ $variant = delayer ] && extra=${REGEN_AB_ARGS:-} delayer=1
       # The project's server_process: healthy before use, and stopped with SGLang's scheduler and detokenizer.
-      EAGLE3_MODEL_PATH="$MODEL" EAGLE3_INFERENCE_HOST=127.0.0.1 EAGLE3_INFERENCE_PORT=30000 \
-        EAGLE3_SHM_DIR=/tmp/eagle3-shm EAGLE3_SGLANG_MEM_FRACTION_STATIC=0.5 \
+      EAGLE3_SGLANG_PREFILL_DELAYER=$delayer EAGLE3_MODEL_PATH="$MODEL" EAGLE3_INFERENCE_HOST=127.0.0.1 \
+        EAGLE3_INFERENCE_PORT=30000 EAGLE3_SHM_DIR=/tmp/eagle3-shm EAGLE3_SGLANG_MEM_FRACTION_STATIC=0.5 \
         python3 - "$OUTD/regen_$variant" "$MODEL" "${REGEN_CONVERSATIONS:-2048}" \
         $DEVICE_ARGS --cuda-graph-max-bs-decode 512 $extra <<'PYEOF'
 import subprocess, sys
@@ -169,7 +170,7 @@ out, model, conversations, server_args = sys.argv[1], sys.argv[2], sys.argv[3], 
 launcher = ["-m", "eagle3_sglang_plugin.launch", *server_args]
 with server_process(launcher, url="http://127.0.0.1:30000", log=Path(f"{out}.server.log")) as url:
     bench = ["-m", "bench.sglang_regenerate", "--url", url, "--model-path", model, "--dataset", "/tmp/regen_ab.jsonl",
-             "--conversations", conversations, "--concurrency", "512", "--max-new-tokens", "256", "--repeats", "1",
+             "--conversations", conversations, "--concurrency", "512", "--max-new-tokens", "128", "--repeats", "1",
              "--json", f"{out}.json"]
     with open(f"{out}.log", "w") as log:
         subprocess.run([sys.executable, *bench], stdout=log, stderr=subprocess.STDOUT, timeout=220, check=False)

@@ -7,6 +7,8 @@ import pytest
 from eagle3_sglang_plugin.config import PluginConfigError
 from eagle3_sglang_plugin.launch import launch_argv, num_hidden_layers
 
+from tests.unit.test_engine_eval import sglang_parse
+
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
@@ -34,6 +36,19 @@ def test_defaults_capture_eagle3_layers_without_prefix_cache_or_chunking(model_d
     assert "--disable-prefill-cuda-graph" in argv
     assert "--mem-fraction-static" not in argv
     assert "--enable-deterministic-inference" not in argv
+    assert "--enable-prefill-delayer" in argv and values_after(argv, "--prefill-delayer-queue-min-ratio") == ["0.2"]
+
+
+def test_sglang_reads_the_launch_arguments_as_meant(model_dir: Path) -> None:
+    """Every flag the launcher adds exists in SGLang 0.5.23 and means what the docstring says (its own parser)."""
+    parsed = sglang_parse(launch_argv({"EAGLE3_MODEL_PATH": str(model_dir)})[1:])  # after "sglang.launch_server"
+
+    assert parsed.returncode == 0, parsed.stderr[-2000:]
+    values = json.loads(parsed.stdout)
+    assert values["chunked_prefill_size"] == -1 and values["disable_radix_cache"] and values["skip_tokenizer_init"]
+    assert values["enable_return_aux_hidden_states"] and values["speculative_algorithm"] == "EAGLE3"
+    assert values["disable_prefill_cuda_graph"]
+    assert values["enable_prefill_delayer"] and values["prefill_delayer_queue_min_ratio"] == 0.2
 
 
 def test_settings_and_extra_arguments_reach_sglang(model_dir: Path) -> None:
@@ -46,6 +61,7 @@ def test_settings_and_extra_arguments_reach_sglang(model_dir: Path) -> None:
         "EAGLE3_SGLANG_SKIP_TOKENIZER_INIT": "0",
         "EAGLE3_SGLANG_PREFILL_CUDA_GRAPH": "1",
         "EAGLE3_SGLANG_DETERMINISTIC_INFERENCE": "1",
+        "EAGLE3_SGLANG_PREFILL_DELAYER": "0",
     }
 
     argv = launch_argv(environ, ["--log-level", "debug"])
@@ -55,6 +71,7 @@ def test_settings_and_extra_arguments_reach_sglang(model_dir: Path) -> None:
     assert values_after(argv, "--mem-fraction-static") == ["0.8"]
     assert "--skip-tokenizer-init" not in argv and "--disable-prefill-cuda-graph" not in argv
     assert "--enable-deterministic-inference" in argv  # seeded sampling repeats only in this mode
+    assert "--enable-prefill-delayer" not in argv
     assert argv[-2:] == ["--log-level", "debug"]
 
 
