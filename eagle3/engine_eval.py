@@ -213,11 +213,25 @@ class ServerRun:
     completions: list[Completion]  # batch 1, in prompt order
     tokens_per_s: float  # batch 1, median over repeats
     concurrent_tokens_per_s: float | None  # at `concurrency` in flight, median over repeats
+    first_token_ms: float | None = None  # batch 1, median over the prompts of a request for one new token
+
+
+def first_token_latency(url: str, prompts: list[list[int]]) -> float:
+    """Median milliseconds, one request at a time, of a request for one new token: the prefill and a request's
+    fixed costs, which a batch-1 rate pays once per prompt besides its decoding steps."""
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        latencies = []
+        for prompt in prompts:
+            started = time.perf_counter()
+            generate(client, url, prompt, max_new_tokens=1)
+            latencies.append(1000 * (time.perf_counter() - started))
+    return statistics.median(latencies)
 
 
 def run_server(url: str, prompts: list[list[int]], *, max_new_tokens: int, concurrency: int, repeats: int) -> ServerRun:
     """Batch 1 `repeats` times (the first run's answers are kept), then `concurrency` in flight `repeats` times."""
     decode_all(url, prompts[:WARMUP_REQUESTS], max_new_tokens=max_new_tokens)
+    first_token_ms = first_token_latency(url, prompts)
     rates, completions = [], []
     for index in range(repeats):
         answers, seconds = decode_all(url, prompts, max_new_tokens=max_new_tokens)
@@ -232,7 +246,7 @@ def run_server(url: str, prompts: list[list[int]], *, max_new_tokens: int, concu
             answers, seconds = decode_all(url, requests, max_new_tokens=max_new_tokens, concurrency=concurrency)
             concurrent_rates.append(sum(len(a.output_ids) for a in answers) / seconds)
         concurrent = statistics.median(concurrent_rates)
-    return ServerRun(completions, statistics.median(rates), concurrent)
+    return ServerRun(completions, statistics.median(rates), concurrent, first_token_ms)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -306,6 +320,9 @@ class EngineResult:
     plain_concurrent_tokens_per_s: float | None
     own_acceptance_length: float | None = None  # the project's own measured acceptance on the same prompts
     notes: list[str] = field(default_factory=list)
+    first_token_ms: float | None = None  # `ServerRun.first_token_ms` of this server and of the plain one
+    plain_first_token_ms: float | None = None
+    plain_new_tokens: int | None = None  # the plain server's batch-1 tokens on the same prompts
 
     @property
     def speedup(self) -> float | None:
@@ -320,6 +337,22 @@ class EngineResult:
         if not self.plain_tokens_per_s or not self.tokens_per_s or not math.isfinite(length):
             return None
         return length * self.plain_tokens_per_s / self.tokens_per_s
+
+    @property
+    def step_ms(self) -> float | None:
+        """Milliseconds per verification step at batch 1 once the first token is out: the batch-1 time less a
+        first-token latency per prompt, over SGLang's verification steps."""
+        return _decode_ms(self.acceptance.new_tokens, self.tokens_per_s, self.acceptance.prompts, self.first_token_ms,
+                          self.acceptance.verify_steps)  # fmt: skip
+
+    @property
+    def plain_token_ms(self) -> float | None:
+        """The same for the plain server: milliseconds per token after the first."""
+        if self.plain_new_tokens is None or not self.plain_tokens_per_s:
+            return None
+        prompts = self.acceptance.prompts
+        return _decode_ms(self.plain_new_tokens, self.plain_tokens_per_s, prompts, self.plain_first_token_ms,
+                          self.plain_new_tokens - prompts)  # fmt: skip
 
     @property
     def concurrent_speedup(self) -> float | None:
@@ -340,8 +373,21 @@ class EngineResult:
         return asdict(self) | {
             "speedup": self.speedup,
             "break_even_acceptance": self.break_even_acceptance,
+            "step_ms": self.step_ms,
+            "plain_token_ms": self.plain_token_ms,
             "concurrent_speedup": self.concurrent_speedup,
         }
+
+
+def _decode_ms(
+    new_tokens: int, tokens_per_s: float, prompts: int, first_token_ms: float | None, steps: int
+) -> float | None:
+    """Batch-1 milliseconds per decoding step: the run's time (its tokens over its rate) less a first-token latency
+    per prompt, over its steps; None where a number is missing or the difference is not a time."""
+    if first_token_ms is None or not tokens_per_s or steps <= 0:
+        return None
+    decoding_ms = 1000 * new_tokens / tokens_per_s - prompts * first_token_ms
+    return decoding_ms / steps if decoding_ms > 0 else None
 
 
 @dataclass
@@ -628,6 +674,9 @@ def _rows(
                 plain_tokens_per_s=reference.tokens_per_s if reference else None,
                 concurrent_tokens_per_s=run.concurrent_tokens_per_s,
                 plain_concurrent_tokens_per_s=reference.concurrent_tokens_per_s if reference else None,
+                first_token_ms=run.first_token_ms,
+                plain_first_token_ms=reference.first_token_ms if reference else None,
+                plain_new_tokens=sum(len(c.output_ids) for c in reference.completions) if reference else None,
             )
         )
     return rows
@@ -701,6 +750,11 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
 
+def _pair(ours: float | None, plain: float | None, form: str) -> str:
+    """ "this server / plain" (reports written before a figure was kept have a dash)."""
+    return " / ".join("-" if value is None else form.format(value) for value in (ours, plain))
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -713,7 +767,8 @@ def engine_table(report: dict[str, Any]) -> Table:
         f"{report['max_new_tokens']} new tokens per prompt; tokens/s medians of {report['repeats']} runs",
         caption="setting = steps,topk,draft tokens; ours = the project's own measured acceptance, same prompts; "
         "break-even = the acceptance length at which the setting's step decodes as fast as plain at batch 1 (x1.5 "
-        "for 1.5x)",
+        "for 1.5x); first token and step = batch-1 milliseconds of a one-token request and of a step after it, this "
+        "server / plain",
     )
     for column in ("prompts file", "drafter", "setting"):
         table.add_column(column, overflow="fold")
@@ -721,14 +776,8 @@ def engine_table(report: dict[str, Any]) -> Table:
         table.add_column(column, justify="right")
     table.add_column("acceptance per draft position")
     table.add_column("matches greedy", justify="right")
-    for column in (
-        "tok/s b1",
-        "plain b1",
-        "speedup b1",
-        "break-even",
-        f"tok/s @{concurrency}",
-        f"plain @{concurrency}",
-    ):
+    columns = ("tok/s b1", "plain b1", "speedup b1", "break-even", "first token ms", "step ms")
+    for column in (*columns, f"tok/s @{concurrency}", f"plain @{concurrency}"):
         table.add_column(column, justify="right")
     table.add_column(f"speedup @{concurrency}", justify="right")
     files = {row["file"] for row in report["results"]}
@@ -752,6 +801,8 @@ def engine_table(report: dict[str, Any]) -> Table:
             _rate(row["plain_tokens_per_s"]),
             _ratio(row["speedup"]),
             "-" if row.get("break_even_acceptance") is None else f"{row['break_even_acceptance']:.2f}",
+            _pair(row.get("first_token_ms"), row.get("plain_first_token_ms"), "{:.0f}"),
+            _pair(row.get("step_ms"), row.get("plain_token_ms"), "{:.2f}"),
             _rate(row["concurrent_tokens_per_s"]),
             _rate(row["plain_concurrent_tokens_per_s"]),
             _ratio(row["concurrent_speedup"]),

@@ -207,6 +207,17 @@ def test_a_disagreement_with_our_own_eval_is_said_with_both_numbers() -> None:
     assert far.notes and "2.000" in far.notes[0] and "2.500" in far.notes[0] and "20%" in far.notes[0]
 
 
+def test_a_step_costs_the_batch_1_time_less_a_first_token_per_prompt() -> None:
+    """9 tokens at 500 tokens/s are 18 ms, 2 of them the first token's: 16 ms over 4 verification steps. Plain: 9
+    tokens at 400 tokens/s are 22.5 ms, 2.5 the first token's: 20 ms over the 8 tokens after it."""
+    result = row("trained", "7,1,8", 500, 400, 2.0)
+    assert result.step_ms is None and result.plain_token_ms is None  # no first-token latency measured
+    result.first_token_ms, result.plain_first_token_ms, result.plain_new_tokens = 2.0, 2.5, 9
+    assert result.step_ms == pytest.approx(4.0) and result.plain_token_ms == pytest.approx(2.5)
+    result.first_token_ms = 50.0  # more than the whole run: not a time
+    assert result.step_ms is None
+
+
 def test_the_table_and_the_fastest_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = [row("trained", "7,1,8", 500, 400, 2.0), row("trained", "3,1,4", 700, 400, 1.75)]
     rows.append(row("untrained", "3,1,4", 300, 400, 1.0))
@@ -280,6 +291,7 @@ def test_every_server_is_launched_and_measured_against_the_plain_one(tiny_model_
         assert result.matches_greedy == 2 and result.plain_tokens_per_s and result.concurrent_tokens_per_s
         assert result.acceptance.acceptance_length == pytest.approx(2.0)  # (5 - 1) / 2 verification steps
         assert result.acceptance.position_acceptance == [1.0]
+        assert result.first_token_ms and result.plain_first_token_ms and result.plain_new_tokens == 10
     logs = sorted((tmp_path / "work").rglob("sglang-*.log"))
     # One at a time, each with SGLang's own share of the GPU: no memory fraction of ours.
     assert len(logs) == 4 and not any("--mem-fraction-static" in log.read_text() for log in logs)
