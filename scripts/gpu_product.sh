@@ -57,7 +57,7 @@
 #               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
 #               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
 #               prefill batches counted. Without it the server ran 8,537 prefill batches of 1 to 8 new turns between
-#               its decode steps for 12,000 prompts (H100, 13-16K tokens/s); with it 1,800 for 18,000 (H200, 24.6K)
+#               its decode steps for 12,000 prompts (H100, 13-16K tokens/s); with it 936 for 18,000 (H200, 24.6K)
 #   gpu-tests   the trainer's tests that only run on a GPU (the flash TTT attention, Inductor's compiled backbone, the
 #               lean norm/MLP and the recompute flags in bf16 against the eager paths)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
