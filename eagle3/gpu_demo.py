@@ -45,18 +45,18 @@ from shared.storage.objects import open_storage
 
 # The held-out sets are code and chat: most of the mix is too (the CPU default gives instructions a quarter).
 GPU_DEMO_MIX = "chat=0.45,code=0.45,instructions=0.1"
-SGLANG_START_TIMEOUT_S = 900.0
+SGLANG_START_TIMEOUT_S = 900.0  # kernels compile and CUDA graphs are captured at first start
 # Prefill yardstick: 16 waves of the extraction's requests in flight are a steady rate; all 12,000 conversations of
 # the 2026-12-05 run took 44 s of a 10-minute command for the same figure.
 PREFILL_SAMPLE_WAVES = 16
 # Decoding yardstick: two waves of the regeneration's concurrency ended in a tail of a few long turns decoding alone
 # (8.4K tokens/s against the job's 24.6K, H200, 2026-12-05); eight are mostly a full batch, as the job is.
-DECODE_SAMPLE_WAVES = 8  # kernels compile and CUDA graphs are captured at first start
-# Chains of 7 and 5 drafts. A chain of 3 served slowest of the three in both H200 runs (docs/benchmarks.md): a
-# speculative step's cost is mostly fixed, so fewer drafts save little and accept less.
-# A chain (the project's own decoding is compared with SGLang's there) and a tree: on a small target a verify of 16
-# tokens costs about what one of 8 does, and a shorter chain measured no faster (5,1,6 and 3,1,4, H200, 2026-12-04).
-DEFAULT_SWEEP = [SpeculativeConfig(7, 1, 8), SpeculativeConfig(6, 4, 16)]
+DECODE_SAMPLE_WAVES = 8
+# A chain of 7 drafts (the project's own decoding is compared with SGLang's there) and a tree as deep: on a small
+# target a verify of 16 tokens costs about what one of 8 does, and shorter chains measured no faster (5,1,6 and
+# 3,1,4, H200, 2026-12-04). The tree 6,4,16 accepted 3.01 / 3.21 against the chain's 2.36 / 2.74 and served
+# faster (H200, 2026-12-05); a seventh step adds candidates for the same 16 verified tokens.
+DEFAULT_SWEEP = [SpeculativeConfig(7, 1, 8), SpeculativeConfig(7, 4, 16)]
 # Sized for one H200 and a small target: shards of seconds, not milliseconds, of the server's work (docs/benchmarks.md).
 GPU_DEFAULTS = {
     "workers": 4,
@@ -418,7 +418,7 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
         action="append",
         type=speculative_setting,
         metavar="STEPS,TOPK,DRAFT_TOKENS",
-        help="serving settings to evaluate (default 7,1,8 and the tree 6,4,16); repeat to sweep",
+        help="serving settings to evaluate (default 7,1,8 and the tree 7,4,16); repeat to sweep",
     )
     group.add_argument("--eval-concurrency", type=int, default=16)
     group.add_argument(
