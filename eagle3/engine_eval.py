@@ -330,9 +330,9 @@ class EngineResult:
 
     @property
     def break_even_acceptance(self) -> float | None:
-        """The acceptance length at which this setting would decode as fast as plain at batch 1: a speculative
-        step's cost in plain tokens (its tokens over its rate, against one over plain's). A drafter that accepts
-        k times this is about k times faster, the step's cost hardly depending on what it accepts."""
+        """The acceptance length at which this setting would decode as fast as plain at batch 1: the time of a
+        speculative step, per-request costs spread over its steps as measured, in plain tokens (its tokens over its
+        rate, against one over plain's). `step_ms` and `first_token_ms` tell the step's own cost from those."""
         length = self.acceptance.acceptance_length
         if not self.plain_tokens_per_s or not self.tokens_per_s or not math.isfinite(length):
             return None
@@ -342,17 +342,18 @@ class EngineResult:
     def step_ms(self) -> float | None:
         """Milliseconds per verification step at batch 1 once the first token is out: the batch-1 time less a
         first-token latency per prompt, over SGLang's verification steps."""
-        return _decode_ms(self.acceptance.new_tokens, self.tokens_per_s, self.acceptance.prompts, self.first_token_ms,
-                          self.acceptance.verify_steps)  # fmt: skip
+        acceptance = self.acceptance
+        return _decode_ms(
+            acceptance.new_tokens, self.tokens_per_s, acceptance.prompts, self.first_token_ms, acceptance.verify_steps
+        )
 
     @property
     def plain_token_ms(self) -> float | None:
         """The same for the plain server: milliseconds per token after the first."""
         if self.plain_new_tokens is None or not self.plain_tokens_per_s:
             return None
-        prompts = self.acceptance.prompts
-        return _decode_ms(self.plain_new_tokens, self.plain_tokens_per_s, prompts, self.plain_first_token_ms,
-                          self.plain_new_tokens - prompts)  # fmt: skip
+        tokens, prompts = self.plain_new_tokens, self.acceptance.prompts
+        return _decode_ms(tokens, self.plain_tokens_per_s, prompts, self.plain_first_token_ms, tokens - prompts)
 
     @property
     def concurrent_speedup(self) -> float | None:
@@ -751,7 +752,7 @@ def _rate(value: float | None) -> str:
 
 
 def _pair(ours: float | None, plain: float | None, form: str) -> str:
-    """ "this server / plain" (reports written before a figure was kept have a dash)."""
+    """This server's figure, then plain's (a dash where a report written before the figure was kept has none)."""
     return " / ".join("-" if value is None else form.format(value) for value in (ours, plain))
 
 
