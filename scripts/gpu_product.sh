@@ -130,7 +130,8 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
     esac
     timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
-      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS" --report "$EAGLE3_HOME/demo-gpu/report.json" \
+      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS" \
+      --report "$EAGLE3_HOME/demo-gpu/report.json" \
       $stage_args ${DEMO_ARGS:-} > "$OUTD/demo-$step.log" 2>&1
     rc=$?
     tail -n 40 "$OUTD/demo-$step.log"

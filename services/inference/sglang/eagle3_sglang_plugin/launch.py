@@ -18,8 +18,8 @@ Every flag below exists in SGLang v0.5.23 (`python/sglang/srt/arg_groups/fields/
   SGLang stops its whole decode batch for a prefill of the one or two turns that just arrived (8,537 such prefills
   in a 12,000-prompt job); the delayer holds new turns until a fifth of the running batch (or as many as recent
   prefills took) waits, at most 30 decode passes. On an H200 (2026-12-05) the GPU demo's regeneration ran 936
-  prefills for 36,856 turns at 24.6K tokens/s (14.5K without it, on an H100). A capture job is untouched: its requests end at their
-  prefill, so nothing runs that a prefill could wait behind.
+  prefills for 36,856 turns at 24.6K tokens/s (14.5K without it, on an H100). A capture job is untouched: its
+  requests end at their prefill, so nothing runs that a prefill could wait behind.
 - `--enable-deterministic-inference` (only when EAGLE3_SGLANG_DETERMINISTIC_INFERENCE=1): SGLang 0.5.23 reads a
   request's `sampling_seed` only in this mode (`sampling/sampling_batch_info.py`); without it two requests with
   the same seed sample different tokens. A regeneration job with `temperature > 0` and a `seed` is reproducible
