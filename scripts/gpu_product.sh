@@ -50,9 +50,11 @@
 #   train       `eagle3 demo --gpu --resume --until training`: the drafter trained on the GPU and exported (the
 #               export comes back in 15 MiB parts, drafter-sglang.tar.part-*)
 #   evaluate    `eagle3 demo --gpu --resume`: SGLang's EAGLE-3 against plain SGLang (the demo's sweep of settings)
+#   untrained   the untrained (warm-start) drafter exported to /tmp/gpu_drafter/untrained, to serve without training
 #   drafter     unpack a drafter an earlier train step brought back, carried in .gpu_drafter, to /tmp/gpu_drafter
 #   eval        `eagle3 eval --engine sglang` on the held-out prompt sets (trained and untrained) of the checkpoint
-#               EVAL_CHECKPOINT or the draft folder EVAL_DRAFTER (/tmp/gpu_drafter/drafter-sglang after `drafter`)
+#               EVAL_CHECKPOINT or the draft folder EVAL_DRAFTER (/tmp/gpu_drafter/drafter-sglang after `drafter`);
+#               EVAL_BASELINE= (empty) leaves the untrained drafter out
 #   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
 #               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
 #               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
@@ -148,6 +150,28 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
       tar cf - -C "$EAGLE3_HOME/demo-gpu" drafter-sglang | split -b 15m - "$OUTD/drafter-sglang.tar.part-"
     fi
     [ $rc = 0 ] || exit $rc ;;
+  untrained)
+    # The warm start from the target (what --baseline serves) at the GPU demo's draft vocabulary, its tokens counted in
+    # the first 2,000 training prompts: a drafter to serve when none was trained on this machine.
+    python3 -c "
+import itertools, json, torch
+from collections import Counter
+from pathlib import Path
+from transformers import AutoTokenizer
+from services.trainer.drafter import build_drafter, read_target_config
+from services.trainer.export import export_sglang
+from shared.capture.protocol import default_aux_layer_ids
+from shared.data.vocab import build_vocab_mapping
+tokenizer = AutoTokenizer.from_pretrained('$MODEL')
+counts = Counter()
+for line in itertools.islice(open('$DATA/train.jsonl'), 2000):
+    for turn in json.loads(line)['messages']:
+        counts.update(tokenizer(turn['content'])['input_ids'])
+config = read_target_config(Path('$MODEL'))
+vocab = build_vocab_mapping(counts, target_vocab_size=config['vocab_size'], draft_vocab_size=16384)
+torch.manual_seed(0)
+drafter = build_drafter(Path('$MODEL'), vocab, aux_layer_ids=default_aux_layer_ids(config['num_hidden_layers']))[0]
+print(export_sglang(drafter, Path('/tmp/gpu_drafter/untrained')))" || exit 1 ;;
   drafter)
     # A drafter brought back by an earlier session's train step, carried as .gpu_drafter/drafter-sglang.tar.part-*.
     mkdir -p /tmp/gpu_drafter && cat .gpu_drafter/drafter-sglang.tar.part-* | tar xf - -C /tmp/gpu_drafter || exit 1
@@ -159,8 +183,9 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
       served=(--checkpoint "${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT or EVAL_DRAFTER}")
     fi
     timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 eval --engine sglang "${served[@]}" --model "$MODEL" \
-      --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" --baseline \
-      --sglang-args "$DEVICE_ARGS" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} > "$OUTD/engine_eval.json" \
+      --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" ${EVAL_BASELINE---baseline} \
+      --sglang-args "$DEVICE_ARGS ${EVAL_SGLANG_ARGS:-}" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} \
+      > "$OUTD/engine_eval.json" \
       2> "$OUTD/engine_eval.log"
     rc=$?; tail -n 30 "$OUTD/engine_eval.log"
     python3 -c "
