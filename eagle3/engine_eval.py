@@ -61,6 +61,9 @@ logger = logging.getLogger(__name__)
 DISAGREEMENT = 0.10  # relative difference between SGLang's and our acceptance length that the report flags
 REQUEST_TIMEOUT_S = 600.0
 WARMUP_REQUESTS = 4
+# New tokens of the short batch-1 requests that, beside the full-length ones, tell a request's fixed cost from its
+# steps' (`ServerRun.request_fixed_ms`): a few speculative steps, an eighth of the default answer.
+SHORT_REQUEST_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,40 @@ class ServerRun:
     tokens_per_s: float  # batch 1, median over repeats
     concurrent_tokens_per_s: float | None  # at `concurrency` in flight, median over repeats
     first_token_ms: float | None = None  # batch 1, median over the prompts of a request for one new token
+    short_request_ms: float | None = None  # batch 1, mean over the prompts of a request for SHORT_REQUEST_TOKENS
+    short_request_steps: float | None = None  # its mean decoding steps (verifications; plain: tokens after the first)
+
+    def request_fixed_ms(self) -> float | None:
+        """Milliseconds a batch-1 request costs besides its decoding steps (prefill, scheduling, the HTTP round
+        trip), from two request lengths: the full runs' and the short requests' mean time against their mean steps,
+        a line whose intercept this is. None where the two lengths took the same steps or one is missing."""
+        full_steps = _mean_steps(self.completions)
+        if self.short_request_ms is None or self.short_request_steps is None or full_steps is None:
+            return None
+        full_ms = 1000 * sum(len(c.output_ids) for c in self.completions) / self.tokens_per_s / len(self.completions)
+        if full_steps - self.short_request_steps < 1:
+            return None
+        step_ms = (full_ms - self.short_request_ms) / (full_steps - self.short_request_steps)
+        return self.short_request_ms - step_ms * self.short_request_steps
+
+
+def _mean_steps(completions: list[Completion]) -> float | None:
+    """Mean decoding steps a request: SGLang's verifications where it counts them, else the tokens after the first."""
+    if not completions:
+        return None
+    steps = [c.verify_steps if c.verify_steps is not None else len(c.output_ids) - 1 for c in completions]
+    return sum(steps) / len(steps)
+
+
+def short_requests(url: str, prompts: list[list[int]]) -> tuple[float, float | None]:
+    """Mean milliseconds and mean decoding steps, one request at a time, of requests for SHORT_REQUEST_TOKENS."""
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        latencies, completions = [], []
+        for prompt in prompts:
+            started = time.perf_counter()
+            completions.append(generate(client, url, prompt, max_new_tokens=SHORT_REQUEST_TOKENS))
+            latencies.append(1000 * (time.perf_counter() - started))
+    return statistics.fmean(latencies), _mean_steps(completions)
 
 
 def first_token_latency(url: str, prompts: list[list[int]]) -> float:
@@ -232,6 +269,7 @@ def run_server(url: str, prompts: list[list[int]], *, max_new_tokens: int, concu
     """Batch 1 `repeats` times (the first run's answers are kept), then `concurrency` in flight `repeats` times."""
     decode_all(url, prompts[:WARMUP_REQUESTS], max_new_tokens=max_new_tokens)
     first_token_ms = first_token_latency(url, prompts)
+    short_ms, short_steps = short_requests(url, prompts)
     rates, completions = [], []
     for index in range(repeats):
         answers, seconds = decode_all(url, prompts, max_new_tokens=max_new_tokens)
@@ -246,7 +284,7 @@ def run_server(url: str, prompts: list[list[int]], *, max_new_tokens: int, concu
             answers, seconds = decode_all(url, requests, max_new_tokens=max_new_tokens, concurrency=concurrency)
             concurrent_rates.append(sum(len(a.output_ids) for a in answers) / seconds)
         concurrent = statistics.median(concurrent_rates)
-    return ServerRun(completions, statistics.median(rates), concurrent, first_token_ms)
+    return ServerRun(completions, statistics.median(rates), concurrent, first_token_ms, short_ms, short_steps)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -323,6 +361,8 @@ class EngineResult:
     first_token_ms: float | None = None  # `ServerRun.first_token_ms` of this server and of the plain one
     plain_first_token_ms: float | None = None
     plain_new_tokens: int | None = None  # the plain server's batch-1 tokens on the same prompts
+    request_fixed_ms: float | None = None  # `ServerRun.request_fixed_ms` of this server and of the plain one
+    plain_request_fixed_ms: float | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -718,6 +758,8 @@ def _rows(
                 first_token_ms=run.first_token_ms,
                 plain_first_token_ms=reference.first_token_ms if reference else None,
                 plain_new_tokens=sum(len(c.output_ids) for c in reference.completions) if reference else None,
+                request_fixed_ms=run.request_fixed_ms(),
+                plain_request_fixed_ms=reference.request_fixed_ms() if reference else None,
             )
         )
     return rows
@@ -809,7 +851,8 @@ def engine_table(report: dict[str, Any]) -> Table:
         f"{report['max_new_tokens']} new tokens per prompt; tokens/s medians of {report['repeats']} runs",
         caption="setting = steps,topk,draft tokens; ours = the project's own measured acceptance, same prompts; "
         "break-even = the acceptance length at which the setting's step decodes as fast as plain at batch 1 (x1.5 "
-        "for 1.5x); first token and step = batch-1 milliseconds of a one-token request and of a step after it, this "
+        "for 1.5x); first token and step = batch-1 milliseconds of a one-token request and of a step after it, fixed = "
+        f"what a batch-1 request costs besides its steps (from {SHORT_REQUEST_TOKENS}-token and full requests), this "
         "server / plain",
     )
     for column in ("prompts file", "drafter", "setting"):
@@ -818,7 +861,7 @@ def engine_table(report: dict[str, Any]) -> Table:
         table.add_column(column, justify="right")
     table.add_column("acceptance per draft position")
     table.add_column("matches greedy", justify="right")
-    columns = ("tok/s b1", "plain b1", "speedup b1", "break-even", "first token ms", "step ms")
+    columns = ("tok/s b1", "plain b1", "speedup b1", "break-even", "first token ms", "fixed ms", "step ms")
     for column in (*columns, f"tok/s @{concurrency}", f"plain @{concurrency}"):
         table.add_column(column, justify="right")
     table.add_column(f"speedup @{concurrency}", justify="right")
@@ -844,6 +887,7 @@ def engine_table(report: dict[str, Any]) -> Table:
             _ratio(row["speedup"]),
             "-" if row.get("break_even_acceptance") is None else f"{row['break_even_acceptance']:.2f}",
             _pair(row.get("first_token_ms"), row.get("plain_first_token_ms"), "{:.0f}"),
+            _pair(row.get("request_fixed_ms"), row.get("plain_request_fixed_ms"), "{:.0f}"),
             _pair(row.get("step_ms"), row.get("plain_token_ms"), "{:.2f}"),
             _rate(row["concurrent_tokens_per_s"]),
             _rate(row["plain_concurrent_tokens_per_s"]),

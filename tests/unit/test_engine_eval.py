@@ -21,6 +21,7 @@ from eagle3.engine_eval import (
     Completion,
     EngineEvalOptions,
     EngineResult,
+    ServerRun,
     SpeculativeConfig,
     best_setting,
     drafters_from_folder,
@@ -217,6 +218,24 @@ def test_a_step_costs_the_batch_1_time_less_a_first_token_per_prompt() -> None:
     assert result.step_ms == pytest.approx(4.0) and result.plain_token_ms == pytest.approx(2.5)
     result.first_token_ms = 50.0  # more than the whole run: not a time
     assert result.step_ms is None
+
+
+def test_a_requests_fixed_cost_is_told_from_its_steps_by_two_lengths() -> None:
+    """Requests of 128 tokens in 40 verification steps take 180 ms, of 16 tokens in 5 steps 110 ms: 2 ms a step and
+    100 ms a request besides. Plain counts the tokens after the first as its steps."""
+    full = [Completion(list(range(128)), verify_steps=40) for _ in range(2)]
+    speculative = ServerRun(full, tokens_per_s=256 / 0.360, concurrent_tokens_per_s=None)
+    assert speculative.request_fixed_ms() is None  # no short requests measured
+    speculative.short_request_ms, speculative.short_request_steps = 110.0, 5.0
+    assert speculative.request_fixed_ms() == pytest.approx(100.0)
+
+    # 129 tokens in 202 ms, 16 in 32.5 ms: 1.5 ms for each token after the first, 10 ms a request besides.
+    plain = ServerRun([Completion(list(range(129)))], tokens_per_s=129 / 0.202, concurrent_tokens_per_s=None)
+    plain.short_request_ms, plain.short_request_steps = 32.5, 15.0
+    assert plain.request_fixed_ms() == pytest.approx(10.0)
+    same = ServerRun(full, tokens_per_s=256 / 0.360, concurrent_tokens_per_s=None, short_request_ms=180.0)
+    same.short_request_steps = 40.0  # the short requests took as many steps: no line through two points
+    assert same.request_fixed_ms() is None
 
 
 def test_the_table_and_the_fastest_setting(monkeypatch: pytest.MonkeyPatch) -> None:
