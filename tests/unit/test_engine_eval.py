@@ -41,8 +41,10 @@ from tests.trainer.test_export import bf16_drafter
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_CPU = ROOT / ".venv" / "sglang-cpu"  # Makefile: SGLang's parser, installed without its GPU dependencies
 PARSE = ROOT / "tests" / "fixtures" / "sglang_parse.py"
-# What the lent H200's SGLang set-up adds to every launch (its FA3 library is not carried; docs/benchmarks.md).
+# What the lent H200's SGLang set-up adds to every launch (its FA3 library is not carried; docs/benchmarks.md), and
+# what scripts/gpu_product.sh adds to the evaluation's (each request's time in the log).
 DEVICE_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache"]
+EVAL_LOG_ARGS = ["--enable-request-time-stats-logging"]
 
 
 def sglang_parse(argv: list[str]) -> subprocess.CompletedProcess:
@@ -61,7 +63,7 @@ def sglang_parse(argv: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("setting", ["7,1,8", "3,1,4", "5,4,16", "7,4,16"])
 def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Path) -> None:
     config = SpeculativeConfig.parse(setting)
-    options = EngineEvalOptions(settings=[config], concurrency=16, sglang_args=DEVICE_ARGS)
+    options = EngineEvalOptions(settings=[config], concurrency=16, sglang_args=DEVICE_ARGS + EVAL_LOG_ARGS)
     argv = stock_argv(tmp_path / "target", port=31234, extra_args=serving_args(options, config, tmp_path / "draft"))
 
     parsed = sglang_parse(argv[2:])  # after "-m sglang.launch_server"
@@ -76,6 +78,7 @@ def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Pat
     assert not values["disable_cuda_graph"]  # served as users serve it
     assert values["cuda_graph_max_bs_decode"] == 16  # graphs for every batch measured, and no larger
     assert values["attention_backend"] == "triton" and values["disable_radix_cache"]
+    assert values["enable_request_time_stats_logging"]
 
 
 def test_the_plain_launch_parses_without_speculation(tmp_path: Path) -> None:
