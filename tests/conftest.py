@@ -38,6 +38,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: the order within each part stays
 
 
+# Packages whose fixtures are package-scoped (tests/ops: one live stack and its jobs for all its modules), each handed
+# to one pytest-xdist worker as a single unit: split by module, as loadscope does, every worker that got one of the
+# modules built the stack again (11-17 s of setup each, and its teardown).
+ONE_UNIT = ("tests/ops/",)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in its controller
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getvalue("dist") != "loadscope":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadScopeScheduling
+
+    class PackageUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            package = next((prefix for prefix in ONE_UNIT if nodeid.startswith(prefix)), None)
+            return package if package is not None else super()._split_scope(nodeid)
+
+    return PackageUnitScheduling(config, log)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     step_timings.hand_to_controller(session.config)
 
