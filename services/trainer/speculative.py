@@ -130,9 +130,9 @@ def speculative_generate(
 
     cache_keyword = cache_argument(target_model)
 
-    def run_target(token_ids: list[int]) -> tuple[Tensor, Tensor]:
+    def run_target(token_ids: Tensor) -> tuple[Tensor, Tensor]:
         out = target_model(
-            input_ids=torch.tensor([token_ids], device=device),
+            input_ids=token_ids,  # (1, T)
             use_cache=True,
             output_hidden_states=True,
             **{cache_keyword: target_cache},
@@ -144,7 +144,7 @@ def speculative_generate(
 
     # Prefill: the target's first token, and its features for every prompt position.
     target_cache = DynamicCache(config=target_model.config)
-    greedy, pending_aux = run_target(prompt)
+    greedy, pending_aux = run_target(torch.tensor([prompt], device=device))
     tokens = [*prompt, int(greedy[-1])]
     new_tokens, emitted_per_step, accepted_per_step = 1, [], []
     drafter_cache = KVCache()
@@ -161,11 +161,13 @@ def speculative_generate(
             cache=drafter_cache,
         )[:, -1:]  # (1, 1, H): row n-2, whose output predicts token n
 
-        # Draft a chain, feeding back the drafter's own hidden state and token (draft j at position n-2+j).
-        drafts: list[int] = []
+        # Draft a chain, feeding back the drafter's own hidden state and token (draft j at position n-2+j). The
+        # drafts stay on the device until the verification's answer is read: one host sync a step, not one a draft,
+        # so that on a GPU the host queues the whole step while the device runs it.
+        chain = [torch.tensor([[tokens[-1]]], device=device)]
         for j in range(1, num_draft_tokens + 1):
             draft = drafter.draft_to_target(drafter.compute_logits(hidden).argmax(-1))  # (1, 1) target id
-            drafts.append(int(draft))
+            chain.append(draft)
             if j < num_draft_tokens:
                 hidden = drafter.backbone(
                     drafter.embed_input_ids(draft), hidden, position_ids(n - 2 + j, 1), cache=drafter_cache
@@ -173,14 +175,16 @@ def speculative_generate(
         drafter_cache.crop(n - 1)  # rows past n-2 were built on guesses
 
         # Verify: greedy[j] is the target's choice after tokens[n-1], d_1..d_j.
-        greedy, verify_aux = run_target([tokens[-1], *drafts])
+        verify_ids = torch.cat(chain, dim=1)  # (1, 1 + k): tokens[n-1], d_1..d_k
+        greedy_on_device, verify_aux = run_target(verify_ids)
+        drafts, greedy = verify_ids[0, 1:].tolist(), greedy_on_device.tolist()
         accepted = 0
-        while accepted < num_draft_tokens and drafts[accepted] == int(greedy[accepted]):
+        while accepted < num_draft_tokens and drafts[accepted] == greedy[accepted]:
             accepted += 1
         target_cache.crop(accepted - num_draft_tokens)  # drop the rejected drafts: keep positions 0..n-1+accepted
         pending_aux = verify_aux[:, : accepted + 1]  # features of positions n-1..n-1+accepted
 
-        emitted = [*drafts[:accepted], int(greedy[accepted])]
+        emitted = [*drafts[:accepted], greedy[accepted]]
         for position, token in enumerate(emitted):  # stop where greedy decoding would stop
             if token in eos or new_tokens + position + 1 == max_new_tokens:
                 emitted = emitted[: position + 1]
