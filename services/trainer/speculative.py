@@ -144,8 +144,8 @@ def speculative_generate(
 
     # Prefill: the target's first token, and its features for every prompt position.
     target_cache = DynamicCache(config=target_model.config)
-    greedy, pending_aux = run_target(torch.tensor([prompt], device=device))
-    tokens = [*prompt, int(greedy[-1])]
+    prefill_greedy, pending_aux = run_target(torch.tensor([prompt], device=device))
+    tokens = [*prompt, int(prefill_greedy[-1])]
     new_tokens, emitted_per_step, accepted_per_step = 1, [], []
     drafter_cache = KVCache()
 
