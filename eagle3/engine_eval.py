@@ -242,34 +242,25 @@ def _mean_steps(completions: list[Completion]) -> float | None:
     return sum(steps) / len(steps)
 
 
-def short_requests(url: str, prompts: list[list[int]]) -> tuple[float, float | None]:
-    """Mean milliseconds and mean decoding steps, one request at a time, of requests for SHORT_REQUEST_TOKENS."""
+def timed_requests(url: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[float], list[Completion]]:
+    """Milliseconds and answers, one request at a time, of a request for `max_new_tokens` per prompt."""
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         latencies, completions = [], []
         for prompt in prompts:
             started = time.perf_counter()
-            completions.append(generate(client, url, prompt, max_new_tokens=SHORT_REQUEST_TOKENS))
+            completions.append(generate(client, url, prompt, max_new_tokens=max_new_tokens))
             latencies.append(1000 * (time.perf_counter() - started))
-    return statistics.fmean(latencies), _mean_steps(completions)
-
-
-def first_token_latency(url: str, prompts: list[list[int]]) -> float:
-    """Median milliseconds, one request at a time, of a request for one new token: the prefill and a request's
-    fixed costs, which a batch-1 rate pays once per prompt besides its decoding steps."""
-    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
-        latencies = []
-        for prompt in prompts:
-            started = time.perf_counter()
-            generate(client, url, prompt, max_new_tokens=1)
-            latencies.append(1000 * (time.perf_counter() - started))
-    return statistics.median(latencies)
+    return latencies, completions
 
 
 def run_server(url: str, prompts: list[list[int]], *, max_new_tokens: int, concurrency: int, repeats: int) -> ServerRun:
     """Batch 1 `repeats` times (the first run's answers are kept), then `concurrency` in flight `repeats` times."""
     decode_all(url, prompts[:WARMUP_REQUESTS], max_new_tokens=max_new_tokens)
-    first_token_ms = first_token_latency(url, prompts)
-    short_ms, short_steps = short_requests(url, prompts)
+    # A one-token request is the prefill and a request's fixed costs, which a batch-1 rate pays once per prompt
+    # besides its decoding steps; short requests beside the full ones tell those costs from the steps'.
+    first_token_ms = statistics.median(timed_requests(url, prompts, 1)[0])
+    short_latencies, short_completions = timed_requests(url, prompts, SHORT_REQUEST_TOKENS)
+    short_ms, short_steps = statistics.fmean(short_latencies), _mean_steps(short_completions)
     rates, completions = [], []
     for index in range(repeats):
         answers, seconds = decode_all(url, prompts, max_new_tokens=max_new_tokens)
@@ -475,10 +466,8 @@ def drafters_from_checkpoint(ref: str, *, settings: Settings, model_path: str | 
 def drafters_from_folder(folder: Path, *, model_path: str | None, baseline: bool) -> DrafterSource:
     """An SGLang EAGLE-3 folder (config.json, model.safetensors with d2t and t2d) around the target at --model; the
     untrained drafter is the warm start from the target with the folder's draft vocabulary and aux layers."""
-    import torch
-
     from services.trainer.config import TrainConfig
-    from services.trainer.drafter import build_drafter
+    from services.trainer.evaluate import warm_start_drafter
     from services.trainer.export import load_sglang_export
     from shared.data.vocab import VocabMapping
 
@@ -488,9 +477,10 @@ def drafters_from_folder(folder: Path, *, model_path: str | None, baseline: bool
     trained = load_sglang_export(folder, target_path=target)
     untrained = None
     if baseline:
-        torch.manual_seed(TrainConfig.model_fields["seed"].default)  # a run's default seed, as a checkpoint's
         vocab = VocabMapping(trained.d2t.clone(), trained.t2d.clone(), None, trained.config.draft_vocab_size)
-        untrained = build_drafter(target, vocab, aux_layer_ids=list(trained.config.aux_layer_ids))[0]
+        aux_layer_ids = list(trained.config.aux_layer_ids)
+        seed = TrainConfig.model_fields["seed"].default  # a run's default seed
+        untrained = warm_start_drafter(target, vocab, aux_layer_ids=aux_layer_ids, seed=seed)
     return DrafterSource(str(folder), target, trained, untrained)
 
 

@@ -27,6 +27,7 @@ from services.trainer.loss import Batch, ttt_loss
 from services.trainer.speculative import AcceptanceResult, measure_acceptance
 from shared.data.datasets import InvalidRecord, iter_dataset_file
 from shared.data.tokenization import ChatTokenizer
+from shared.data.vocab import VocabMapping
 from shared.errors import ConfigurationError
 from shared.lifecycle.jobs import load_job
 from shared.provenance import check_same
@@ -182,13 +183,21 @@ def evaluate_checkpoint(
 
 def untrained_drafter(checkpoint: Checkpoint, target: Path) -> Eagle3Drafter:
     """The drafter the checkpoint's run started from: same seed, same warm start from the target, same vocab."""
-    torch.manual_seed(checkpoint.train_config.seed)
-    drafter, _ = build_drafter(
+    return warm_start_drafter(
         target,
         checkpoint.vocab_mapping,
         aux_layer_ids=checkpoint.drafter_config.aux_layer_ids,
+        seed=checkpoint.train_config.seed,
         init_from_target=checkpoint.train_config.init_from_target,
     )
+
+
+def warm_start_drafter(
+    target: Path, vocab_mapping: VocabMapping, *, aux_layer_ids: list[int], seed: int, init_from_target: bool = True
+) -> Eagle3Drafter:
+    """A drafter as a training run starts it (its seed, the warm start from the target): the untrained yardstick."""
+    torch.manual_seed(seed)
+    drafter, _ = build_drafter(target, vocab_mapping, aux_layer_ids=aux_layer_ids, init_from_target=init_from_target)
     return drafter
 
 
