@@ -163,6 +163,7 @@ import itertools, json, torch
 from collections import Counter
 from pathlib import Path
 from transformers import AutoTokenizer
+from eagle3.gpu_demo import GPU_DEFAULTS
 from services.trainer.drafter import build_drafter, read_target_config
 from services.trainer.export import export_sglang
 from shared.capture.protocol import default_aux_layer_ids
@@ -173,7 +174,9 @@ for line in itertools.islice(open('$DATA/train.jsonl'), 2000):
     for turn in json.loads(line)['messages']:
         counts.update(tokenizer(turn['content'])['input_ids'])
 config = read_target_config(Path('$MODEL'))
-vocab = build_vocab_mapping(counts, target_vocab_size=config['vocab_size'], draft_vocab_size=16384)
+vocab = build_vocab_mapping(
+    counts, target_vocab_size=config['vocab_size'], draft_vocab_size=GPU_DEFAULTS['draft_vocab_size']
+)
 torch.manual_seed(0)
 drafter = build_drafter(Path('$MODEL'), vocab, aux_layer_ids=default_aux_layer_ids(config['num_hidden_layers']))[0]
 print(export_sglang(drafter, Path('/tmp/gpu_drafter/untrained')))" || exit 1 ;;
