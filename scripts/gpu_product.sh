@@ -20,6 +20,8 @@
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
 #                                               (again if cut short: it goes on from the servers it measured)
+#   or, after 4, without training: where a speculative step's time goes (about 6 minutes: six servers)
+#   5' (nothing)                                bash scripts/gpu_product.sh untrained step-profile
 # 18,000 training prompts (`--train 18000`) took the extract stage 357 s on an H200, 2026-12-05 (SGLang's prefill
 # delayer on, answers of at most 128 tokens: the demo's defaults since); 12,000 had taken 540 s without them.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
@@ -58,6 +60,11 @@
 #   profile     the trainer's optimizer step at the GPU demo's drafter shape (bench/trainer_throughput smollm2-gpu:
 #               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
 #               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
+#   step-profile  where a batch-1 step's time goes: plain SGLang and EAGLE-3 (7,1,8 and 3,1,4, the drafter
+#               PROFILE_DRAFTER, default the `untrained` step's), each with and without the overlap scheduler
+#               (PROFILE_VARIANTS: the other variants, one server argument each), under SGLang's profiler
+#               (bench/sglang_step_profile): period, GPU busy, launches and host waits per step, the kernels and the
+#               host's Python that take the time; the traces come back as step_profile_traces.tar.part-*
 #   regen-ab    regeneration on the capture server as the GPU demo launches it, without SGLang's prefill delayer
 #               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
 #               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
@@ -202,6 +209,20 @@ from rich.console import Console
 from eagle3.engine_eval import print_engine_report
 print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250))" || true
     (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
+    [ $rc = 0 ] || exit $rc ;;
+  step-profile)
+    # Where a batch-1 step's time goes (bench/sglang_step_profile): plain SGLang and EAGLE-3 at a chain of 7 and of 3
+    # drafts, with and without the overlap scheduler, each under SGLang's own profiler. The untrained drafter (the
+    # `untrained` step) costs what a trained one does a step; PROFILE_DRAFTER serves another.
+    variants=("" ${PROFILE_VARIANTS---disable-overlap-schedule})
+    timeout "${STAGE_TIMEOUT:-550}" python3 -m bench.sglang_step_profile --model "$MODEL" \
+      --drafter "${PROFILE_DRAFTER:-/tmp/gpu_drafter/untrained}" --prompts-file "$DATA/eval_code.jsonl" \
+      --speculative 7,1,8 --speculative 3,1,4 "${variants[@]/#/--variant=}" --sglang-args "$DEVICE_ARGS" \
+      --out /tmp/step_profile ${PROFILE_ARGS:-} > "$OUTD/step_profile.log" 2>&1
+    rc=$?; tail -n 80 "$OUTD/step_profile.log"
+    cp /tmp/step_profile/step_profile.json "$OUTD/" 2>/dev/null
+    # The traces (Perfetto opens them) and the servers' logs, in parts a file brought back may hold.
+    (cd /tmp/step_profile && tar cf - ./*.trace.json.gz ./*.log) | split -b 15m - "$OUTD/step_profile_traces.tar.part-"
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)
     head -n "${REGEN_CONVERSATIONS:-2048}" "$DATA/train.jsonl" > /tmp/regen_ab.jsonl

@@ -1,0 +1,354 @@
+"""Where a batch-1 decoding step's time goes in SGLang: plain decoding against EAGLE-3 speculative decoding.
+
+`eagle3 eval --engine sglang` measures what a speculative step (the drafts, one verification, the draft model's
+extend) costs against a plain token; this says why. Each server in turn (plain, then the drafter at each
+`--speculative` setting), once per `--variant` (extra server arguments, applied to every server of that variant),
+CUDA graphs on as users serve: warmed, then SGLang's own torch profiler (`/start_profile`, host and GPU activity)
+records while `--requests` prompts are decoded one at a time, and the trace is summarised per step:
+
+- period: milliseconds from one decode forward (plain) or one verification (speculative) to the next, within a
+  request (windows holding a prefill are left out);
+- GPU busy: the union of kernel and copy intervals per step; the rest of the period the GPU waits for the host;
+- kernels run on the GPU, graphs replayed and kernels launched one by one by the host, and the host's waits for the
+  GPU (stream, event and device synchronisations, blocking copies), per step;
+- host time in each forward SGLang names (`step[DECODE ...]`, `step[VERIFY ...]`, `step[DRAFT ...]`), per step;
+- the kernels that take the GPU's time.
+
+    python -m bench.sglang_step_profile --model /models/smollm2 --drafter /tmp/gpu_drafter/untrained \\
+        --prompts-file eval_code.jsonl --speculative 7,1,8 --variant "" --variant "--disable-overlap-schedule" \\
+        --sglang-args "--attention-backend triton" --out /tmp/step_profile
+
+Writes `step_profile.json` (every figure) and each server's trace (`*.trace.json.gz`, for Perfetto) under `--out`.
+The analysis alone, of a trace recorded elsewhere: `--trace FILE --anchor VERIFY`.
+"""
+
+import argparse
+import gzip
+import json
+import shlex
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from eagle3.engine_eval import SpeculativeConfig, generate
+from eagle3.jobs import exit_on_sigterm
+from eagle3.local_stack import free_port
+from eagle3.server_process import ServerProcessError, server_process, stock_argv
+
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+# Host calls that wait for the GPU: what a step spends blocked rather than launching work.
+HOST_WAITS = {
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaMemcpy",
+    "cuStreamSynchronize",
+    "cuEventSynchronize",
+    "cuCtxSynchronize",
+}
+GRAPH_LAUNCHES = {"cudaGraphLaunch", "cuGraphLaunch"}
+KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
+STEP_SPAN = "step["
+TOP_KERNELS = 12
+TOP_PYTHON = 30
+
+
+@dataclass
+class Span:
+    name: str
+    start: float  # microseconds, the trace's clock
+    end: float
+
+
+@dataclass
+class StepProfile:
+    """Medians per step over a trace's decoding steps (means where a median of small counts would hide them)."""
+
+    anchor: str
+    steps: int
+    period_ms: float
+    gpu_busy_ms: float
+    kernels: float
+    graph_launches: float
+    eager_launches: float
+    host_wait_ms: float
+    span_ms: dict[str, float] = field(default_factory=dict)  # forward kind -> host ms per step (mean)
+    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, GPU ms per step, count per step
+    # With Python stacks recorded: the functions that take the host's time, inclusive ms per step (slower steps)
+    python_ms: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def gpu_idle(self) -> float:
+        return max(0.0, 1 - self.gpu_busy_ms / self.period_ms) if self.period_ms else 0.0
+
+
+def _span_kind(name: str) -> str:
+    """'step[VERIFY bs=1]' -> 'VERIFY', 'step[EXTEND bs=1 toks=153]' -> 'EXTEND'."""
+    return name[len(STEP_SPAN) :].split(" ", 1)[0].rstrip("]")
+
+
+def _union_ms(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Milliseconds of [start, end) covered by the intervals (microseconds)."""
+    clipped = sorted((max(a, start), min(b, end)) for a, b in intervals if b > start and a < end)
+    covered, reach = 0.0, start
+    for a, b in clipped:
+        a = max(a, reach)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / 1000
+
+
+def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
+    """Per-step figures of a torch profiler trace of an SGLang server decoding at batch 1.
+
+    `anchor` is the forward that begins a step: DECODE for plain decoding, VERIFY for speculative decoding. A step is
+    the window from one anchor's start to the next's; windows holding a prefill (`EXTEND`) span request boundaries
+    and are left out."""
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    spans = sorted(
+        (
+            Span(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in complete
+            if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(STEP_SPAN)
+        ),
+        key=lambda s: s.start,
+    )
+    anchors = [s for s in spans if _span_kind(s.name) == anchor]
+    prefills = [s.start for s in spans if _span_kind(s.name) == "EXTEND"]
+    windows = [(a.start, b.start) for a, b in pairwise(anchors) if not any(a.start <= p < b.start for p in prefills)]
+    if not windows:
+        kinds = sorted({_span_kind(s.name) for s in spans})
+        raise ValueError(
+            f"no two consecutive step[{anchor} ...] forwards in the trace ({len(anchors)} found; its forwards: {kinds})"
+        )
+    gpu = [e for e in complete if e.get("cat") in GPU_CATEGORIES]
+    gpu_intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
+    runtime = [e for e in complete if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+
+    def inside(ts: float, window: tuple[float, float]) -> bool:
+        return window[0] <= ts < window[1]
+
+    periods, busy, kernels, graphs, eager, waits = [], [], [], [], [], []
+    span_totals: dict[str, float] = defaultdict(float)
+    kernel_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for window in windows:
+        periods.append((window[1] - window[0]) / 1000)
+        busy.append(_union_ms(gpu_intervals, *window))
+        in_window = [e for e in gpu if inside(float(e["ts"]), window) and e.get("cat") == "kernel"]
+        kernels.append(len(in_window))
+        for e in in_window:
+            kernel_totals[e["name"]][0] += float(e["dur"]) / 1000
+            kernel_totals[e["name"]][1] += 1
+        calls = [e for e in runtime if inside(float(e["ts"]), window)]
+        graphs.append(sum(e["name"] in GRAPH_LAUNCHES for e in calls))
+        eager.append(sum(e["name"] in KERNEL_LAUNCHES for e in calls))
+        waits.append(sum(float(e["dur"]) for e in calls if e["name"] in HOST_WAITS) / 1000)
+        for span in spans:
+            if inside(span.start, window):
+                span_totals[_span_kind(span.name)] += (span.end - span.start) / 1000
+    steps = len(windows)
+    top = sorted(kernel_totals.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
+    python_totals: dict[str, float] = defaultdict(float)
+    for e in complete:
+        if e.get("cat") == "python_function" and any(inside(float(e["ts"]), w) for w in windows):
+            python_totals[e["name"]] += float(e["dur"]) / 1000
+    period = statistics.median(periods)
+    # The scheduler's loop and its callers cover whole steps and say nothing: what takes less than most of a step does.
+    python = [(name, total / steps) for name, total in python_totals.items() if total / steps < 0.9 * period]
+    return StepProfile(
+        anchor=anchor,
+        steps=steps,
+        period_ms=period,
+        gpu_busy_ms=statistics.median(busy),
+        kernels=statistics.fmean(kernels),
+        graph_launches=statistics.fmean(graphs),
+        eager_launches=statistics.fmean(eager),
+        host_wait_ms=statistics.median(waits),
+        span_ms={kind: total / steps for kind, total in sorted(span_totals.items())},
+        top_kernels=[(name, total / steps, count / steps) for name, (total, count) in top],
+        python_ms=sorted(python, key=lambda item: -item[1])[:TOP_PYTHON],
+    )
+
+
+def read_trace(path: Path) -> list[dict[str, Any]]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as trace:
+        data = json.load(trace)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Recording
+
+
+def record(
+    url: str, prompts: list[list[int]], *, trace_dir: Path, name: str, max_new_tokens: int, with_stack: bool
+) -> Path:
+    """Warm the server, then decode every prompt one at a time under SGLang's profiler; the trace's path.
+    `with_stack` records every Python call too (where the host's time goes, at the price of slower steps)."""
+    with httpx.Client(timeout=600) as client:
+        for prompt in prompts[:2]:
+            generate(client, url, prompt, max_new_tokens=max_new_tokens)
+        before = set(trace_dir.glob("*.trace.json.gz"))
+        body = {
+            "output_dir": str(trace_dir),
+            "activities": ["CPU", "GPU"],
+            "with_stack": with_stack,
+            "profile_prefix": f"{name}{'-stacks' if with_stack else ''}",
+        }
+        client.post(f"{url}/start_profile", json=body).raise_for_status()
+        for prompt in prompts:
+            generate(client, url, prompt, max_new_tokens=max_new_tokens)
+        client.post(f"{url}/stop_profile").raise_for_status()
+    deadline = time.monotonic() + 120  # the export runs after stop_profile answers on some versions
+    while time.monotonic() < deadline:
+        written = [p for p in set(trace_dir.glob("*.trace.json.gz")) - before if p.stat().st_size > 0]
+        if written:
+            time.sleep(2)  # a file still being written grows
+            return max(written, key=lambda p: p.stat().st_mtime)
+        time.sleep(1)
+    raise RuntimeError(f"{name}: SGLang wrote no trace to {trace_dir}")
+
+
+def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from services.trainer.evaluate import prompts_from_file
+    from shared.data.tokenization import ChatTokenizer
+
+    chat = ChatTokenizer.from_pretrained(args.model)
+    prompts = prompts_from_file(args.prompts_file, chat, max_prompts=args.requests)
+    args.out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=200)
+    rows: list[dict[str, Any]] = []
+    settings: list[SpeculativeConfig | None] = [None, *(args.speculative if args.drafter else [])]
+    for variant in args.variant:
+        for setting in settings:
+            name = ("plain" if setting is None else f"eagle3-{setting.label.replace(',', '-')}") + (
+                f"_{'_'.join(a.lstrip('-') for a in shlex.split(variant))}" if variant else ""
+            )
+            port = free_port()
+            server_args = [
+                *(setting.launch_args(args.drafter) if setting is not None else []),
+                "--cuda-graph-max-bs-decode",
+                "4",  # batch 1 is all this measures: capture only small graphs
+                *shlex.split(args.sglang_args),
+                *shlex.split(variant),
+            ]
+            recording = {"trace_dir": args.out, "name": name, "max_new_tokens": args.max_new_tokens}
+            started = time.monotonic()
+            row: dict[str, Any] = {"server": name, "variant": variant, "setting": setting.label if setting else None}
+            try:
+                with server_process(
+                    stock_argv(args.model, port=port, extra_args=server_args),
+                    url=f"http://127.0.0.1:{port}",
+                    log=args.out / f"{name}.log",
+                    env={"SGLANG_PLUGINS": "none"},
+                ) as url:
+                    trace = record(url, prompts, **recording, with_stack=False)
+                    stacks = record(url, prompts[:1], **recording, with_stack=True)
+                anchor = "DECODE" if setting is None else "VERIFY"
+                summary = summarize_trace(read_trace(trace), anchor)
+                summary.python_ms = summarize_trace(read_trace(stacks), anchor).python_ms
+                row.update(summary.__dict__, gpu_idle=summary.gpu_idle, trace=trace.name, stacks=stacks.name)
+            except (ServerProcessError, ValueError, RuntimeError, httpx.HTTPError) as exc:
+                # A server this set-up does not start, or a trace without the anchor (it came back all the same:
+                # `--trace` reads it with another), is a row that says why, not the end of the run.
+                row["error"] = str(exc)
+                console.print(f"[red]{name}: {exc}")
+            row["seconds"] = round(time.monotonic() - started, 1)
+            rows.append(row)
+            (args.out / "step_profile.json").write_text(json.dumps(rows, indent=2))  # kept if a later server fails
+            print_rows([r for r in rows if "error" not in r], console)
+    return rows
+
+
+def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title="one decoding step at batch 1 (medians over the profiled steps)")
+    for column in (
+        "server",
+        "steps",
+        "period ms",
+        "GPU busy ms",
+        "GPU idle",
+        "kernels",
+        "graphs",
+        "eager launches",
+        "host waits ms",
+        "forwards' host ms",
+    ):
+        table.add_column(column, justify="left" if column in ("server", "forwards' host ms") else "right")
+    for row in rows:
+        table.add_row(
+            row["server"],
+            str(row["steps"]),
+            f"{row['period_ms']:.2f}",
+            f"{row['gpu_busy_ms']:.2f}",
+            f"{row['gpu_idle']:.0%}",
+            f"{row['kernels']:.0f}",
+            f"{row['graph_launches']:.1f}",
+            f"{row['eager_launches']:.0f}",
+            f"{row['host_wait_ms']:.2f}",
+            ", ".join(f"{kind} {ms:.2f}" for kind, ms in row["span_ms"].items()),
+        )
+    console.print(table)
+    for row in rows:
+        kernels = Table(title=f"{row['server']}: the GPU's time per step")
+        for column in ("kernel", "ms", "count"):
+            kernels.add_column(column, justify="left" if column == "kernel" else "right")
+        for name, ms, count in row["top_kernels"]:
+            kernels.add_row(name[:90], f"{ms:.3f}", f"{count:.1f}")
+        console.print(kernels)
+        if row.get("python_ms"):
+            python = Table(title=f"{row['server']}: the host's Python per step (inclusive; recorded with stacks)")
+            python.add_column("function")
+            python.add_column("ms", justify="right")
+            for name, ms in row["python_ms"]:
+                python.add_row(name[:120], f"{ms:.3f}")
+            console.print(python)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, help="the target model folder SGLang serves")
+    parser.add_argument("--drafter", type=Path, help="an EAGLE-3 draft folder (without it: plain servers only)")
+    parser.add_argument("--prompts-file", type=Path, help="prompts, as `eagle3 eval --prompts-file` reads them")
+    parser.add_argument(
+        "--speculative",
+        type=SpeculativeConfig.parse,
+        action="append",
+        help="STEPS,TOPK,DRAFT_TOKENS; repeat for several (default 7,1,8)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        help="extra server arguments for every server of a variant; repeat (default: one, none)",
+    )
+    parser.add_argument("--sglang-args", default="", help="arguments every server gets")
+    parser.add_argument("--requests", type=int, default=4, help="prompts decoded under the profiler")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/step_profile"))
+    parser.add_argument("--trace", type=Path, help="only summarise this trace (no server is launched)")
+    parser.add_argument("--anchor", default="VERIFY", help="with --trace: DECODE (plain) or VERIFY (speculative)")
+    args = parser.parse_args()
+    if args.trace:
+        summary = summarize_trace(read_trace(args.trace), args.anchor)
+        print_rows([{"server": args.trace.name, **summary.__dict__, "gpu_idle": summary.gpu_idle}], Console(width=200))
+        return
+    if args.model is None or args.prompts_file is None:
+        parser.error("--model and --prompts-file are needed to launch servers")
+    exit_on_sigterm()  # a time limit's SIGTERM stops the server this run launched, as Ctrl-C does
+    args.speculative = args.speculative or [SpeculativeConfig(7, 1, 8)]
+    args.variant = args.variant or [""]
+    profile_servers(args)
+
+
+if __name__ == "__main__":
+    main()

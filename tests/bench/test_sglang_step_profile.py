@@ -1,0 +1,77 @@
+"""The step profile's trace summary: a real torch profiler trace of named forwards (the spans SGLang writes), and the
+GPU-side arithmetic on a trace whose kernels and runtime calls are placed by hand (this machine has no GPU)."""
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from bench.sglang_step_profile import read_trace, summarize_trace
+
+
+def test_a_real_trace_gives_one_step_per_decode_forward_and_leaves_out_the_prefill(tmp_path: Path) -> None:
+    trace = tmp_path / "server.trace.json"
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for _request in range(2):
+            with record_function("step[EXTEND bs=1 toks=12]"):
+                torch.ones(64).sum()
+            for _token in range(4):
+                with record_function("step[DECODE bs=1]"):
+                    torch.ones(64).sum()
+                    time.sleep(0.003)
+    profiler.export_chrome_trace(str(trace))
+
+    summary = summarize_trace(read_trace(trace), "DECODE")
+
+    # 4 decode forwards a request: 3 windows each; the window from a request's last decode to the next request's
+    # first holds that request's prefill and is not a step.
+    assert summary.steps == 6
+    assert 3.0 <= summary.period_ms < 100
+    assert set(summary.span_ms) == {"DECODE"}
+    assert 3.0 <= summary.span_ms["DECODE"] <= summary.period_ms
+    assert summary.gpu_busy_ms == 0 and summary.kernels == 0 and summary.gpu_idle == 1
+
+
+def _event(cat: str, name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 0}
+
+
+def test_gpu_busy_is_the_union_of_kernel_intervals_and_launches_and_waits_are_counted_per_step() -> None:
+    events = []
+    for step in range(3):
+        t0 = step * 1000.0  # a step every millisecond
+        events += [
+            _event("user_annotation", "step[VERIFY bs=1]", t0, 300),
+            _event("user_annotation", "step[DRAFT bs=1]", t0 + 400, 100),
+            _event("cuda_runtime", "cudaGraphLaunch", t0 + 10, 5),
+            _event("cuda_runtime", "cudaLaunchKernel", t0 + 20, 5),
+            _event("cuda_runtime", "cudaLaunchKernel", t0 + 30, 5),
+            _event("cuda_runtime", "cudaStreamSynchronize", t0 + 500, 200),
+            # two overlapping kernels (0-200 and 100-300 us) and one apart (600-700): 400 us busy
+            _event("kernel", "gemm", t0, 200),
+            _event("kernel", "attention", t0 + 100, 200),
+            _event("kernel", "gemm", t0 + 600, 100),
+            # Python calls (a trace recorded with stacks): the loop covers the step and says nothing, verify does
+            _event("python_function", "scheduler.py(900): event_loop", t0, 990),
+            _event("python_function", "eagle_worker_v2.py(1979): verify", t0 + 5, 250),
+        ]
+    events.append(_event("user_annotation", "step[VERIFY bs=1]", 3000.0, 300))  # closes the third step
+
+    summary = summarize_trace(events, "VERIFY")
+
+    assert summary.steps == 3
+    assert summary.period_ms == pytest.approx(1.0)
+    assert summary.gpu_busy_ms == pytest.approx(0.4)
+    assert summary.gpu_idle == pytest.approx(0.6)
+    assert (summary.kernels, summary.graph_launches, summary.eager_launches) == (3, 1, 2)
+    assert summary.host_wait_ms == pytest.approx(0.2)
+    assert summary.span_ms == pytest.approx({"DRAFT": 0.1, "VERIFY": 0.3})
+    assert summary.top_kernels[0] == ("gemm", pytest.approx(0.3), pytest.approx(2.0))
+    assert summary.python_ms == [("eagle_worker_v2.py(1979): verify", pytest.approx(0.25))]
+
+
+def test_a_trace_without_two_anchors_is_an_error_that_says_what_it_looked_for() -> None:
+    with pytest.raises(ValueError, match=r"step\[VERIFY"):
+        summarize_trace([_event("user_annotation", "step[DECODE bs=1]", 0, 10)], "VERIFY")
