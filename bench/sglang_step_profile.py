@@ -28,6 +28,7 @@ import json
 import shlex
 import statistics
 import time
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -80,7 +81,8 @@ class StepProfile:
     graph_launches: float
     eager_launches: float
     host_wait_ms: float
-    span_ms: dict[str, float] = field(default_factory=dict)  # forward kind -> host ms per step (mean)
+    span_ms: dict[str, float] = field(default_factory=dict)  # span (forward kind or stage) -> host ms per step
+    gpu_span_ms: dict[str, float] = field(default_factory=dict)  # the same spans' GPU time per step
     top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, GPU ms per step, count per step
     # With Python stacks recorded: the functions that take the host's time, inclusive ms per step (slower steps)
     python_ms: list[tuple[str, float]] = field(default_factory=list)
@@ -91,20 +93,44 @@ class StepProfile:
 
 
 def _span_kind(name: str) -> str:
-    """'step[VERIFY bs=1]' -> 'VERIFY', 'step[EXTEND bs=1 toks=153]' -> 'EXTEND'."""
-    return name[len(STEP_SPAN) :].split(" ", 1)[0].rstrip("]")
+    """'step[VERIFY bs=1]' -> 'VERIFY', 'step[EXTEND bs=1 toks=153]' -> 'EXTEND'; SGLang's stage spans ('draft',
+    'draft_extend', 'verify') keep their names."""
+    if name.startswith(STEP_SPAN):
+        return name[len(STEP_SPAN) :].split(" ", 1)[0].rstrip("]")
+    return name
 
 
-def _union_ms(intervals: list[tuple[float, float]], start: float, end: float) -> float:
-    """Milliseconds of [start, end) covered by the intervals (microseconds)."""
-    clipped = sorted((max(a, start), min(b, end)) for a, b in intervals if b > start and a < end)
-    covered, reach = 0.0, start
-    for a, b in clipped:
-        a = max(a, reach)
-        if b > a:
-            covered += b - a
-            reach = b
-    return covered / 1000
+class _Windows:
+    """Disjoint, sorted [start, end) windows (microseconds); which one a moment falls in."""
+
+    def __init__(self, windows: list[tuple[float, float]]) -> None:
+        self.starts = [w[0] for w in windows]
+        self.ends = [w[1] for w in windows]
+
+    def index(self, ts: float) -> int | None:
+        i = bisect_right(self.starts, ts) - 1
+        return i if i >= 0 and ts < self.ends[i] else None
+
+    def covered(self, intervals: list[tuple[float, float]]) -> list[float]:
+        """Milliseconds of each window covered by the union of the intervals."""
+        per_window: list[list[tuple[float, float]]] = [[] for _ in self.starts]
+        for a, b in intervals:
+            i = max(0, bisect_right(self.starts, a) - 1)
+            while i < len(self.starts) and self.starts[i] < b:
+                lo, hi = max(a, self.starts[i]), min(b, self.ends[i])
+                if hi > lo:
+                    per_window[i].append((lo, hi))
+                i += 1
+        covered = []
+        for pieces in per_window:
+            total, reach = 0.0, float("-inf")
+            for lo, hi in sorted(pieces):
+                lo = max(lo, reach)
+                if hi > lo:
+                    total += hi - lo
+                    reach = hi
+            covered.append(total / 1000)
+        return covered
 
 
 def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
@@ -114,56 +140,59 @@ def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
     the window from one anchor's start to the next's; windows holding a prefill (`EXTEND`) span request boundaries
     and are left out."""
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
-    spans = sorted(
+    annotations = sorted(
         (
-            Span(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            Span(_span_kind(str(e.get("name", ""))), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
             for e in complete
-            if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(STEP_SPAN)
+            if e.get("cat") == "user_annotation"
         ),
         key=lambda s: s.start,
     )
-    anchors = [s for s in spans if _span_kind(s.name) == anchor]
-    prefills = [s.start for s in spans if _span_kind(s.name) == "EXTEND"]
+    anchors = [s for s in annotations if s.name == anchor]
+    prefills = [s.start for s in annotations if s.name == "EXTEND"]
     windows = [(a.start, b.start) for a, b in pairwise(anchors) if not any(a.start <= p < b.start for p in prefills)]
     if not windows:
-        kinds = sorted({_span_kind(s.name) for s in spans})
+        kinds = sorted({s.name for s in annotations})
         raise ValueError(
-            f"no two consecutive step[{anchor} ...] forwards in the trace ({len(anchors)} found; its forwards: {kinds})"
+            f"no two consecutive step[{anchor} ...] forwards in the trace ({len(anchors)} found; its spans: {kinds})"
         )
+    steps = len(windows)
+    where = _Windows(windows)
     gpu = [e for e in complete if e.get("cat") in GPU_CATEGORIES]
-    gpu_intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
-    runtime = [e for e in complete if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    busy = where.covered([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu])
 
-    def inside(ts: float, window: tuple[float, float]) -> bool:
-        return window[0] <= ts < window[1]
-
-    periods, busy, kernels, graphs, eager, waits = [], [], [], [], [], []
-    span_totals: dict[str, float] = defaultdict(float)
+    kernels, graphs, eager, waits = [0] * steps, [0] * steps, [0] * steps, [0.0] * steps
     kernel_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for window in windows:
-        periods.append((window[1] - window[0]) / 1000)
-        busy.append(_union_ms(gpu_intervals, *window))
-        in_window = [e for e in gpu if inside(float(e["ts"]), window) and e.get("cat") == "kernel"]
-        kernels.append(len(in_window))
-        for e in in_window:
+    for e in gpu:
+        if e.get("cat") == "kernel" and (i := where.index(float(e["ts"]))) is not None:
+            kernels[i] += 1
             kernel_totals[e["name"]][0] += float(e["dur"]) / 1000
             kernel_totals[e["name"]][1] += 1
-        calls = [e for e in runtime if inside(float(e["ts"]), window)]
-        graphs.append(sum(e["name"] in GRAPH_LAUNCHES for e in calls))
-        eager.append(sum(e["name"] in KERNEL_LAUNCHES for e in calls))
-        waits.append(sum(float(e["dur"]) for e in calls if e["name"] in HOST_WAITS) / 1000)
-        for span in spans:
-            if inside(span.start, window):
-                span_totals[_span_kind(span.name)] += (span.end - span.start) / 1000
-    steps = len(windows)
-    top = sorted(kernel_totals.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
+    for e in complete:
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or (i := where.index(float(e["ts"]))) is None:
+            continue
+        graphs[i] += e["name"] in GRAPH_LAUNCHES
+        eager[i] += e["name"] in KERNEL_LAUNCHES
+        if e["name"] in HOST_WAITS:
+            waits[i] += float(e["dur"]) / 1000
+    host_spans: dict[str, float] = defaultdict(float)
+    for span in annotations:
+        if where.index(span.start) is not None:
+            host_spans[span.name] += (span.end - span.start) / 1000
+    gpu_spans: dict[str, float] = defaultdict(float)
     python_totals: dict[str, float] = defaultdict(float)
     for e in complete:
-        if e.get("cat") == "python_function" and any(inside(float(e["ts"]), w) for w in windows):
-            python_totals[e["name"]] += float(e["dur"]) / 1000
-    period = statistics.median(periods)
+        cat = e.get("cat")
+        if cat not in ("gpu_user_annotation", "python_function") or where.index(float(e["ts"])) is None:
+            continue
+        totals, name = (
+            (gpu_spans, _span_kind(e["name"])) if cat == "gpu_user_annotation" else (python_totals, e["name"])
+        )
+        totals[name] += float(e["dur"]) / 1000
+    period = statistics.median((b - a) / 1000 for a, b in windows)
     # The scheduler's loop and its callers cover whole steps and say nothing: what takes less than most of a step does.
     python = [(name, total / steps) for name, total in python_totals.items() if total / steps < 0.9 * period]
+    top = sorted(kernel_totals.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
     return StepProfile(
         anchor=anchor,
         steps=steps,
@@ -173,7 +202,8 @@ def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
         graph_launches=statistics.fmean(graphs),
         eager_launches=statistics.fmean(eager),
         host_wait_ms=statistics.median(waits),
-        span_ms={kind: total / steps for kind, total in sorted(span_totals.items())},
+        span_ms={kind: total / steps for kind, total in sorted(host_spans.items())},
+        gpu_span_ms={kind: total / steps for kind, total in sorted(gpu_spans.items())},
         top_kernels=[(name, total / steps, count / steps) for name, (total, count) in top],
         python_ms=sorted(python, key=lambda item: -item[1])[:TOP_PYTHON],
     )
@@ -282,9 +312,10 @@ def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
         "graphs",
         "eager launches",
         "host waits ms",
-        "forwards' host ms",
+        "spans' host ms",
+        "spans' GPU ms",
     ):
-        table.add_column(column, justify="left" if column in ("server", "forwards' host ms") else "right")
+        table.add_column(column, justify="left" if column in ("server", "spans' host ms", "spans' GPU ms") else "right")
     for row in rows:
         table.add_row(
             row["server"],
@@ -297,6 +328,7 @@ def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
             f"{row['eager_launches']:.0f}",
             f"{row['host_wait_ms']:.2f}",
             ", ".join(f"{kind} {ms:.2f}" for kind, ms in row["span_ms"].items()),
+            ", ".join(f"{kind} {ms:.2f}" for kind, ms in row.get("gpu_span_ms", {}).items()),
         )
     console.print(table)
     for row in rows:

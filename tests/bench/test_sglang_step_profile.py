@@ -45,6 +45,8 @@ def test_gpu_busy_is_the_union_of_kernel_intervals_and_launches_and_waits_are_co
         events += [
             _event("user_annotation", "step[VERIFY bs=1]", t0, 300),
             _event("user_annotation", "step[DRAFT bs=1]", t0 + 400, 100),
+            _event("user_annotation", "draft", t0 + 390, 150),  # SGLang's stage span around the draft forwards
+            _event("gpu_user_annotation", "step[VERIFY bs=1]", t0 + 50, 250),
             _event("cuda_runtime", "cudaGraphLaunch", t0 + 10, 5),
             _event("cuda_runtime", "cudaLaunchKernel", t0 + 20, 5),
             _event("cuda_runtime", "cudaLaunchKernel", t0 + 30, 5),
@@ -67,7 +69,8 @@ def test_gpu_busy_is_the_union_of_kernel_intervals_and_launches_and_waits_are_co
     assert summary.gpu_idle == pytest.approx(0.6)
     assert (summary.kernels, summary.graph_launches, summary.eager_launches) == (3, 1, 2)
     assert summary.host_wait_ms == pytest.approx(0.2)
-    assert summary.span_ms == pytest.approx({"DRAFT": 0.1, "VERIFY": 0.3})
+    assert summary.span_ms == pytest.approx({"DRAFT": 0.1, "VERIFY": 0.3, "draft": 0.15})
+    assert summary.gpu_span_ms == pytest.approx({"VERIFY": 0.25})
     assert summary.top_kernels[0] == ("gemm", pytest.approx(0.3), pytest.approx(2.0))
     assert summary.python_ms == [("eagle_worker_v2.py(1979): verify", pytest.approx(0.25))]
 
