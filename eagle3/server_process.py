@@ -22,6 +22,8 @@ from shared.errors import Eagle3Error
 # Compiling kernels and capturing CUDA graphs (target, draft and verify graphs with EAGLE-3) at first start.
 START_TIMEOUT_S = 900.0
 LOG_TAIL_LINES = 25
+# After SIGKILL: how long the group's processes may take to be scheduled and die.
+GROUP_EXIT_TIMEOUT_S = 10.0
 
 
 class ServerProcessError(Eagle3Error):
@@ -127,7 +129,9 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, *, timeout_s: fl
 
 def stop_process_group(process: subprocess.Popen) -> None:
     """SIGTERM to the server's process group, then SIGKILL to whatever of it is left (the group id stays the
-    leader's pid, so children that outlive the leader are reached too)."""
+    leader's pid, so children that outlive the leader are reached too), and return once none of it runs: a signal
+    is delivered when the process is next scheduled, and a server's scheduler that is still dying holds the GPU
+    memory the next server measures at its start."""
     with suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     with suppress(subprocess.TimeoutExpired):
@@ -135,3 +139,26 @@ def stop_process_group(process: subprocess.Popen) -> None:
     with suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
+    deadline = time.monotonic() + GROUP_EXIT_TIMEOUT_S
+    while group_running(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of the group still runs. Zombies (dead, waiting for whoever adopted them to reap them) do
+    not count; where there is no /proc, a group runs while it can be signalled."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _parent, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # a process that ended while the folder was read
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False

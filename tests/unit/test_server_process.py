@@ -2,6 +2,7 @@
 once and are all stopped, with their children; one that dies before it is healthy is reported with its log."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import httpx
 import pytest
 
 from eagle3.local_stack import free_port
-from eagle3.server_process import ServerLaunch, ServerProcessError, server_processes
+from eagle3.server_process import ServerLaunch, ServerProcessError, group_running, server_processes
 
 # A server that answers /health after a moment, with a child process of its own (as SGLang's scheduler is).
 SERVER = """
@@ -57,3 +58,12 @@ def test_a_server_that_dies_is_named_with_its_log_and_the_others_are_stopped(tmp
         pass
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{healthy.url}/health", timeout=2)
+
+
+def test_a_group_runs_while_a_process_of_it_runs_and_not_after() -> None:
+    assert group_running(os.getpgrp())  # this test's own group
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    assert group_running(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    assert not group_running(sleeper.pid)
