@@ -18,6 +18,14 @@ records while `--requests` prompts are decoded one at a time, and the trace is s
         --prompts-file eval_code.jsonl --speculative 7,1,8 --variant "" --variant "--disable-overlap-schedule" \\
         --sglang-args "--attention-backend triton" --out /tmp/step_profile
 
+`--random-target llama3-8b` measures the same at Llama-3.1-8B dimensions instead, where a plain token is no longer
+almost all fixed overhead: SGLang serves a target of random weights (`--load-format dummy`, no tokenizer) and an
+EAGLE-3 drafter of random weights this script exports at those dimensions; the drafts are rejected, so the step is
+the speculative step at acceptance 1 (a step that accepts more costs a little more), and the prompts are random
+token ids. No model files are needed.
+
+    python -m bench.sglang_step_profile --random-target llama3-8b --sglang-args "--attention-backend triton"
+
 Writes `step_profile.json` (every figure) and each server's trace (`*.trace.json.gz`, for Perfetto) under `--out`.
 The analysis alone, of a trace recorded elsewhere: `--trace FILE --anchor VERIFY`.
 """
@@ -27,6 +35,7 @@ import gzip
 import json
 import shlex
 import statistics
+import sys
 import time
 from bisect import bisect_right
 from collections import defaultdict
@@ -36,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -60,6 +70,10 @@ KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", 
 STEP_SPAN = "step["
 TOP_KERNELS = 12
 TOP_PYTHON = 30
+# --random-target: the target's decoder layers (its other dimensions are bench.trainer_throughput's), and the length
+# of the random prompts.
+RANDOM_TARGET_LAYERS = {"llama3-8b": 32, "small": 4}
+RANDOM_PROMPT_TOKENS = 160
 
 
 @dataclass
@@ -221,13 +235,20 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 
 
 def record(
-    url: str, prompts: list[list[int]], *, trace_dir: Path, name: str, max_new_tokens: int, with_stack: bool
+    url: str,
+    prompts: list[list[int]],
+    *,
+    trace_dir: Path,
+    name: str,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    with_stack: bool,
 ) -> Path:
     """Warm the server, then decode every prompt one at a time under SGLang's profiler; the trace's path.
     `with_stack` records every Python call too (where the host's time goes, at the price of slower steps)."""
     with httpx.Client(timeout=600) as client:
         for prompt in prompts[:2]:
-            generate(client, url, prompt, max_new_tokens=max_new_tokens)
+            generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         before = set(trace_dir.glob("*.trace.json.gz"))
         body = {
             "output_dir": str(trace_dir),
@@ -237,7 +258,7 @@ def record(
         }
         client.post(f"{url}/start_profile", json=body).raise_for_status()
         for prompt in prompts:
-            generate(client, url, prompt, max_new_tokens=max_new_tokens)
+            generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         client.post(f"{url}/stop_profile").raise_for_status()
     deadline = time.monotonic() + 120  # the export runs after stop_profile answers on some versions
     while time.monotonic() < deadline:
@@ -249,13 +270,65 @@ def record(
     raise RuntimeError(f"{name}: SGLang wrote no trace to {trace_dir}")
 
 
+def random_target(dims: str, out: Path) -> tuple[Path, Path]:
+    """A target folder SGLang serves with random weights (its config.json alone) and an EAGLE-3 drafter of random
+    weights exported for it, at the named dimensions."""
+    from bench.trainer_throughput import SHAPES, random_models
+    from services.trainer.export import export_sglang
+    from shared.capture.protocol import default_aux_layer_ids
+
+    shape = SHAPES[dims]
+    target = out / f"target-{dims}"
+    target.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "num_hidden_layers": RANDOM_TARGET_LAYERS[dims],
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    drafter, _ = random_models(shape)
+    drafter.config.aux_layer_ids = default_aux_layer_ids(config["num_hidden_layers"])  # layers this target has
+    return target, export_sglang(drafter, out / f"drafter-{dims}")
+
+
+def launch_arguments(
+    setting: SpeculativeConfig | None, drafter: Path | None, *, random_weights: bool, common: str, variant: str
+) -> list[str]:
+    """SGLang's arguments after the model and address: the setting, small graphs, the random weights' loading, then
+    the arguments of every server and the variant's."""
+    speculative = setting.launch_args(drafter) if setting is not None and drafter is not None else []
+    # The draft loads as the target does unless told: its exported weights, not random ones.
+    loading = ["--load-format", "dummy", "--skip-tokenizer-init"] if random_weights else []
+    if random_weights and speculative:
+        loading += ["--speculative-draft-load-format", "auto"]
+    graphs = ["--cuda-graph-max-bs-decode", "4"]  # batch 1 is all this measures: capture only small graphs
+    return [*speculative, *graphs, *loading, *shlex.split(common), *shlex.split(variant)]
+
+
 def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
     from services.trainer.evaluate import prompts_from_file
     from shared.data.tokenization import ChatTokenizer
 
-    chat = ChatTokenizer.from_pretrained(args.model)
-    prompts = prompts_from_file(args.prompts_file, chat, max_prompts=args.requests)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.random_target:
+        args.model, args.drafter = random_target(args.random_target, args.out)
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 32000, (RANDOM_PROMPT_TOKENS,), generator=generator).tolist()] * args.requests
+    else:
+        chat = ChatTokenizer.from_pretrained(args.model)
+        prompts = prompts_from_file(args.prompts_file, chat, max_prompts=args.requests)
     console = Console(width=200)
     rows: list[dict[str, Any]] = []
     settings: list[SpeculativeConfig | None] = [None, *(args.speculative if args.drafter else [])]
@@ -265,14 +338,15 @@ def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"_{'_'.join(a.lstrip('-') for a in shlex.split(variant))}" if variant else ""
             )
             port = free_port()
-            server_args = [
-                *(setting.launch_args(args.drafter) if setting is not None else []),
-                "--cuda-graph-max-bs-decode",
-                "4",  # batch 1 is all this measures: capture only small graphs
-                *shlex.split(args.sglang_args),
-                *shlex.split(variant),
-            ]
-            recording = {"trace_dir": args.out, "name": name, "max_new_tokens": args.max_new_tokens}
+            server_args = launch_arguments(
+                setting, args.drafter, random_weights=bool(args.random_target), common=args.sglang_args, variant=variant
+            )
+            recording = {
+                "trace_dir": args.out,
+                "name": name,
+                "max_new_tokens": args.max_new_tokens,
+                "ignore_eos": bool(args.random_target),
+            }
             started = time.monotonic()
             row: dict[str, Any] = {"server": name, "variant": variant, "setting": setting.label if setting else None}
             try:
@@ -367,6 +441,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="prompts decoded under the profiler")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("/tmp/step_profile"))
+    parser.add_argument(
+        "--random-target",
+        choices=sorted(RANDOM_TARGET_LAYERS),
+        help="serve a target and a drafter of random weights at these dimensions instead of --model and --drafter",
+    )
     parser.add_argument("--trace", type=Path, help="only summarise this trace (no server is launched)")
     parser.add_argument("--anchor", default="VERIFY", help="with --trace: DECODE (plain) or VERIFY (speculative)")
     args = parser.parse_args()
@@ -374,12 +453,14 @@ def main() -> None:
         summary = summarize_trace(read_trace(args.trace), args.anchor)
         print_rows([{"server": args.trace.name, **summary.__dict__, "gpu_idle": summary.gpu_idle}], Console(width=200))
         return
-    if args.model is None or args.prompts_file is None:
-        parser.error("--model and --prompts-file are needed to launch servers")
+    if not args.random_target and (args.model is None or args.prompts_file is None):
+        parser.error("--model and --prompts-file (or --random-target) are needed to launch servers")
     exit_on_sigterm()  # a time limit's SIGTERM stops the server this run launched, as Ctrl-C does
     args.speculative = args.speculative or [SpeculativeConfig(7, 1, 8)]
     args.variant = args.variant or [""]
-    profile_servers(args)
+    rows = profile_servers(args)
+    if any("error" in row for row in rows):
+        sys.exit(f"{sum('error' in row for row in rows)} of {len(rows)} servers measured nothing (see above)")
 
 
 if __name__ == "__main__":

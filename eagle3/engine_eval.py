@@ -172,8 +172,12 @@ class Completion:
         return (len(self.output_ids) - 1) / self.verify_steps
 
 
-def generate(client: httpx.Client, url: str, prompt: list[int], *, max_new_tokens: int) -> Completion:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+def generate(
+    client: httpx.Client, url: str, prompt: list[int], *, max_new_tokens: int, ignore_eos: bool = False
+) -> Completion:
+    """One greedy answer; `ignore_eos` decodes all `max_new_tokens` (a target with random weights says anything)."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **({"ignore_eos": True} if ignore_eos else {})}
+    body = {"input_ids": prompt, "sampling_params": sampling}
     try:
         response = client.post(f"{url}/generate", json=body)
     except httpx.RemoteProtocolError:

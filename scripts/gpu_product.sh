@@ -20,8 +20,9 @@
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
 #                                               (again if cut short: it goes on from the servers it measured)
-#   or, after 4, without training: where a speculative step's time goes (about 6 minutes: six servers)
+#   or, after 4, without training: where a speculative step's time goes (about 6 minutes: six servers; then 3)
 #   5' (nothing)                                bash scripts/gpu_product.sh untrained step-profile
+#   6' (nothing)                                bash scripts/gpu_product.sh step-profile-8b
 # 18,000 training prompts (`--train 18000`) took the extract stage 357 s on an H200, 2026-12-05 (SGLang's prefill
 # delayer on, answers of at most 128 tokens: the demo's defaults since); 12,000 had taken 540 s without them.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
@@ -64,7 +65,9 @@
 #               PROFILE_DRAFTER, default the `untrained` step's), each with and without the overlap scheduler
 #               (PROFILE_VARIANTS: the other variants, one server argument each), under SGLang's profiler
 #               (bench/sglang_step_profile): period, GPU busy, launches and host waits per step, the kernels and the
-#               host's Python that take the time; the traces come back as step_profile_traces.tar.part-*
+#               host's Python that take the time; the traces come back as step-profile-traces.tar.part-*
+#   step-profile-8b  the same at Llama-3.1-8B dimensions, target and drafter of random weights (no model files):
+#               what a speculative step costs in plain tokens where a token is not almost all fixed overhead
 #   regen-ab    regeneration on the capture server as the GPU demo launches it, without SGLang's prefill delayer
 #               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
 #               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
@@ -210,19 +213,25 @@ from eagle3.engine_eval import print_engine_report
 print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250))" || true
     (cd /tmp/engine-eval && find . -name '*.log' -o -name '*.json' | tar czf "$OUTD/engine_eval_logs.tgz" -T -)
     [ $rc = 0 ] || exit $rc ;;
-  step-profile)
+  step-profile|step-profile-8b)
     # Where a batch-1 step's time goes (bench/sglang_step_profile): plain SGLang and EAGLE-3 at a chain of 7 and of 3
-    # drafts, with and without the overlap scheduler, each under SGLang's own profiler. The untrained drafter (the
-    # `untrained` step) costs what a trained one does a step; PROFILE_DRAFTER serves another.
-    variants=("" ${PROFILE_VARIANTS---disable-overlap-schedule})
-    timeout "${STAGE_TIMEOUT:-550}" python3 -m bench.sglang_step_profile --model "$MODEL" \
-      --drafter "${PROFILE_DRAFTER:-/tmp/gpu_drafter/untrained}" --prompts-file "$DATA/eval_code.jsonl" \
-      --speculative 7,1,8 --speculative 3,1,4 "${variants[@]/#/--variant=}" --sglang-args "$DEVICE_ARGS" \
-      --out /tmp/step_profile ${PROFILE_ARGS:-} > "$OUTD/step_profile.log" 2>&1
-    rc=$?; tail -n 80 "$OUTD/step_profile.log"
-    cp /tmp/step_profile/step_profile.json "$OUTD/" 2>/dev/null
+    # drafts, each under SGLang's own profiler. step-profile: SmolLM2 with the untrained drafter (the `untrained`
+    # step; a step costs what a trained one's does; PROFILE_DRAFTER serves another), with and without the overlap
+    # scheduler; step-profile-8b: a target and a drafter of random weights at Llama-3.1-8B dimensions, no model files.
+    dir=/tmp/$step
+    if [ $step = step-profile ]; then
+      variants=("" ${PROFILE_VARIANTS---disable-overlap-schedule})
+      served=(--model "$MODEL" --drafter "${PROFILE_DRAFTER:-/tmp/gpu_drafter/untrained}"
+              --prompts-file "$DATA/eval_code.jsonl" "${variants[@]/#/--variant=}")
+    else
+      served=(--random-target llama3-8b)
+    fi
+    timeout "${STAGE_TIMEOUT:-550}" python3 -m bench.sglang_step_profile "${served[@]}" --speculative 7,1,8 \
+      --speculative 3,1,4 --sglang-args "$DEVICE_ARGS" --out "$dir" ${PROFILE_ARGS:-} > "$OUTD/$step.log" 2>&1
+    rc=$?; tail -n 80 "$OUTD/$step.log"
+    cp "$dir/step_profile.json" "$OUTD/$step.json" 2>/dev/null
     # The traces (Perfetto opens them) and the servers' logs, in parts a file brought back may hold.
-    (cd /tmp/step_profile && tar cf - ./*.trace.json.gz ./*.log) | split -b 15m - "$OUTD/step_profile_traces.tar.part-"
+    (cd "$dir" && tar cf - ./*.trace.json.gz ./*.log) | split -b 15m - "$OUTD/$step-traces.tar.part-"
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)
     head -n "${REGEN_CONVERSATIONS:-2048}" "$DATA/train.jsonl" > /tmp/regen_ab.jsonl

@@ -1,6 +1,7 @@
 """The step profile's trace summary: a real torch profiler trace of named forwards (the spans SGLang writes), and the
 GPU-side arithmetic on a trace whose kernels and runtime calls are placed by hand (this machine has no GPU)."""
 
+import json
 import time
 from pathlib import Path
 
@@ -78,3 +79,48 @@ def test_gpu_busy_is_the_union_of_kernel_intervals_and_launches_and_waits_are_co
 def test_a_trace_without_two_anchors_is_an_error_that_says_what_it_looked_for() -> None:
     with pytest.raises(ValueError, match=r"step\[VERIFY"):
         summarize_trace([_event("user_annotation", "step[DECODE bs=1]", 0, 10)], "VERIFY")
+
+
+def test_a_random_target_is_a_llama_config_and_its_drafter_an_export_sglang_reads(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from bench.sglang_step_profile import random_target
+    from services.trainer.export import CONFIG_FILE, drafter_config_from_sglang
+
+    target, drafter = random_target("small", tmp_path)
+
+    config = AutoConfig.from_pretrained(target)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers) == ("llama", 256, 4)
+    drafter_config = drafter_config_from_sglang(json.loads((drafter / CONFIG_FILE).read_text()), source=drafter)
+    assert (drafter_config.hidden_size, drafter_config.vocab_size) == (256, config.vocab_size)
+    assert max(drafter_config.aux_layer_ids) < config.num_hidden_layers
+
+
+@pytest.mark.parametrize("setting", [None, "7,1,8"])
+def test_sglang_parses_the_profiles_launch_arguments_as_meant(setting: str | None, tmp_path: Path) -> None:
+    from bench.sglang_step_profile import launch_arguments
+    from eagle3.engine_eval import SpeculativeConfig
+    from eagle3.server_process import stock_argv
+    from tests.unit.test_engine_eval import DEVICE_ARGS, sglang_parse
+
+    config = SpeculativeConfig.parse(setting) if setting else None
+    extra = launch_arguments(
+        config,
+        tmp_path / "draft",
+        random_weights=True,
+        common=" ".join(DEVICE_ARGS),
+        variant="--disable-overlap-schedule",
+    )
+
+    parsed = sglang_parse(stock_argv(tmp_path / "target", port=31234, extra_args=extra)[2:])
+
+    assert parsed.returncode == 0, parsed.stderr[-2000:]
+    values = json.loads(parsed.stdout)
+    assert values["load_format"] == "dummy" and values["skip_tokenizer_init"] is True
+    assert values["disable_overlap_schedule"] is True and values["cuda_graph_max_bs_decode"] == 4
+    assert values["attention_backend"] == "triton"
+    if config is None:
+        assert values["speculative_algorithm"] is None
+    else:
+        assert values["speculative_algorithm"] == "EAGLE3" and values["speculative_num_steps"] == 7
+        assert values["speculative_draft_load_format"] == "auto"
