@@ -230,8 +230,9 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
       --speculative 3,1,4 --sglang-args "$DEVICE_ARGS" --out "$dir" ${PROFILE_ARGS:-} > "$OUTD/$step.log" 2>&1
     rc=$?; tail -n 80 "$OUTD/$step.log"
     cp "$dir/step_profile.json" "$OUTD/$step.json" 2>/dev/null
-    # The traces (Perfetto opens them) and the servers' logs, in parts a file brought back may hold.
-    (cd "$dir" && tar cf - ./*.trace.json.gz ./*.log) | split -b 15m - "$OUTD/$step-traces.tar.part-"
+    # The traces (Perfetto opens them) and the servers' logs, in parts a file brought back may hold; the traces with
+    # Python stacks (tens of MB each, summarised in the JSON) stay: what comes back is at most 64 MiB.
+    (cd "$dir" && tar cf - --exclude='*-stacks-*' ./*.trace.json.gz ./*.log) | split -b 15m - "$OUTD/$step-traces.tar.part-"
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)
     head -n "${REGEN_CONVERSATIONS:-2048}" "$DATA/train.jsonl" > /tmp/regen_ab.jsonl
