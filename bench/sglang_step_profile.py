@@ -260,12 +260,15 @@ def record(
         for prompt in prompts:
             generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         client.post(f"{url}/stop_profile").raise_for_status()
-    deadline = time.monotonic() + 120  # the export runs after stop_profile answers on some versions
+    # SGLang answers stop_profile once the trace is exported; should a version answer before, the file is taken
+    # once it has stopped growing.
+    deadline, sizes = time.monotonic() + 300, {}
     while time.monotonic() < deadline:
-        written = [p for p in set(trace_dir.glob("*.trace.json.gz")) - before if p.stat().st_size > 0]
-        if written:
-            time.sleep(2)  # a file still being written grows
-            return max(written, key=lambda p: p.stat().st_mtime)
+        now = {p: p.stat().st_size for p in set(trace_dir.glob("*.trace.json.gz")) - before}
+        done = [p for p, size in now.items() if size > 0 and sizes.get(p) == size]
+        if done:
+            return done[0]
+        sizes = now
         time.sleep(1)
     raise RuntimeError(f"{name}: SGLang wrote no trace to {trace_dir}")
 
@@ -362,7 +365,7 @@ def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
                 summary = summarize_trace(read_trace(trace), anchor)
                 summary.python_ms = summarize_trace(read_trace(stacks), anchor).python_ms
                 row.update(summary.__dict__, gpu_idle=summary.gpu_idle, trace=trace.name, stacks=stacks.name)
-            except (ServerProcessError, ValueError, RuntimeError, httpx.HTTPError) as exc:
+            except (ServerProcessError, ValueError, RuntimeError, OSError, EOFError, httpx.HTTPError) as exc:
                 # A server this set-up does not start, or a trace without the anchor (it came back all the same:
                 # `--trace` reads it with another), is a row that says why, not the end of the run.
                 row["error"] = str(exc)
