@@ -14,6 +14,7 @@ from shared.settings import Settings
 
 def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     from services.trainer.config import config_from_args
+    from services.trainer.distributed import end_gloo_rank
     from services.trainer.train import train
     from shared.lifecycle.kinds import kind_of
     from shared.lifecycle.shards import load_job
@@ -31,6 +32,7 @@ def cmd_train(args: argparse.Namespace, settings: Settings) -> None:
     )
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    end_gloo_rank()
 
 
 def cmd_eval(args: argparse.Namespace, settings: Settings) -> None:
