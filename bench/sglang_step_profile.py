@@ -49,10 +49,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eagle3.engine_eval import SpeculativeConfig, generate
+from eagle3.engine_eval import SpeculativeConfig, generate, stock_launch
 from eagle3.jobs import exit_on_sigterm
 from eagle3.local_stack import free_port
-from eagle3.server_process import ServerProcessError, server_process, stock_argv
+from eagle3.server_process import ServerProcessError, server_processes
 
 GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 # Host calls that wait for the GPU: what a step spends blocked rather than launching work.
@@ -68,6 +68,8 @@ HOST_WAITS = {
 GRAPH_LAUNCHES = {"cudaGraphLaunch", "cuGraphLaunch"}
 KERNEL_LAUNCHES = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"}
 STEP_SPAN = "step["
+# The events counted in the step they start in (a kernel, a host call, a span's GPU time, a Python call).
+PER_STEP_CATEGORIES = {"kernel", "cuda_runtime", "cuda_driver", "gpu_user_annotation", "python_function"}
 TOP_KERNELS = 12
 TOP_PYTHON = 30
 # --random-target: the target's decoder layers (its other dimensions are bench.trainer_throughput's), and the length
@@ -104,6 +106,9 @@ class StepProfile:
     @property
     def gpu_idle(self) -> float:
         return max(0.0, 1 - self.gpu_busy_ms / self.period_ms) if self.period_ms else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "gpu_idle": self.gpu_idle}
 
 
 def _span_kind(name: str) -> str:
@@ -177,32 +182,29 @@ def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
 
     kernels, graphs, eager, waits = [0] * steps, [0] * steps, [0] * steps, [0.0] * steps
     kernel_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in gpu:
-        if e.get("cat") == "kernel" and (i := where.index(float(e["ts"]))) is not None:
-            kernels[i] += 1
-            kernel_totals[e["name"]][0] += float(e["dur"]) / 1000
-            kernel_totals[e["name"]][1] += 1
-    for e in complete:
-        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or (i := where.index(float(e["ts"]))) is None:
-            continue
-        graphs[i] += e["name"] in GRAPH_LAUNCHES
-        eager[i] += e["name"] in KERNEL_LAUNCHES
-        if e["name"] in HOST_WAITS:
-            waits[i] += float(e["dur"]) / 1000
-    host_spans: dict[str, float] = defaultdict(float)
-    for span in annotations:
-        if where.index(span.start) is not None:
-            host_spans[span.name] += (span.end - span.start) / 1000
     gpu_spans: dict[str, float] = defaultdict(float)
     python_totals: dict[str, float] = defaultdict(float)
     for e in complete:
         cat = e.get("cat")
-        if cat not in ("gpu_user_annotation", "python_function") or where.index(float(e["ts"])) is None:
+        if cat not in PER_STEP_CATEGORIES or (i := where.index(float(e["ts"]))) is None:
             continue
-        totals, name = (
-            (gpu_spans, _span_kind(e["name"])) if cat == "gpu_user_annotation" else (python_totals, e["name"])
-        )
-        totals[name] += float(e["dur"]) / 1000
+        name, ms = e["name"], float(e["dur"]) / 1000
+        if cat == "kernel":
+            kernels[i] += 1
+            kernel_totals[name][0] += ms
+            kernel_totals[name][1] += 1
+        elif cat == "gpu_user_annotation":
+            gpu_spans[_span_kind(name)] += ms
+        elif cat == "python_function":
+            python_totals[name] += ms
+        else:  # the CUDA runtime or driver
+            graphs[i] += name in GRAPH_LAUNCHES
+            eager[i] += name in KERNEL_LAUNCHES
+            waits[i] += ms if name in HOST_WAITS else 0.0
+    host_spans: dict[str, float] = defaultdict(float)
+    for span in annotations:
+        if where.index(span.start) is not None:
+            host_spans[span.name] += (span.end - span.start) / 1000
     period = statistics.median((b - a) / 1000 for a, b in windows)
     # The scheduler's loop and its callers cover whole steps and say nothing: what takes less than most of a step does.
     python = [(name, total / steps) for name, total in python_totals.items() if total / steps < 0.9 * period]
@@ -244,11 +246,9 @@ def record(
     ignore_eos: bool,
     with_stack: bool,
 ) -> Path:
-    """Warm the server, then decode every prompt one at a time under SGLang's profiler; the trace's path.
-    `with_stack` records every Python call too (where the host's time goes, at the price of slower steps)."""
+    """Decode every prompt one at a time under SGLang's profiler; the trace's path. `with_stack` records every Python
+    call too (where the host's time goes, at the price of slower steps)."""
     with httpx.Client(timeout=600) as client:
-        for prompt in prompts[:2]:
-            generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
         before = set(trace_dir.glob("*.trace.json.gz"))
         body = {
             "output_dir": str(trace_dir),
@@ -332,6 +332,8 @@ def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
     else:
         chat = ChatTokenizer.from_pretrained(args.model)
         prompts = prompts_from_file(args.prompts_file, chat, max_prompts=args.requests)
+    # Random weights say anything, EOS too: their answers ignore it, so each is full length.
+    random_weights = ignore_eos = bool(args.random_target)
     console = Console(width=200)
     rows: list[dict[str, Any]] = []
     settings: list[SpeculativeConfig | None] = [None, *(args.speculative if args.drafter else [])]
@@ -340,31 +342,30 @@ def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
             name = ("plain" if setting is None else f"eagle3-{setting.label.replace(',', '-')}") + (
                 f"_{'_'.join(a.lstrip('-') for a in shlex.split(variant))}" if variant else ""
             )
-            port = free_port()
             server_args = launch_arguments(
-                setting, args.drafter, random_weights=bool(args.random_target), common=args.sglang_args, variant=variant
+                setting, args.drafter, random_weights=random_weights, common=args.sglang_args, variant=variant
             )
             recording = {
                 "trace_dir": args.out,
                 "name": name,
                 "max_new_tokens": args.max_new_tokens,
-                "ignore_eos": bool(args.random_target),
+                "ignore_eos": ignore_eos,
             }
             started = time.monotonic()
             row: dict[str, Any] = {"server": name, "variant": variant, "setting": setting.label if setting else None}
             try:
-                with server_process(
-                    stock_argv(args.model, port=port, extra_args=server_args),
-                    url=f"http://127.0.0.1:{port}",
-                    log=args.out / f"{name}.log",
-                    env={"SGLANG_PLUGINS": "none"},
-                ) as url:
+                with server_processes(
+                    [stock_launch(args.model, free_port(), server_args, args.out / f"{name}.log")]
+                ) as (url,):
+                    with httpx.Client(timeout=600) as client:  # warmed: first requests compile and allocate
+                        for prompt in prompts[:2]:
+                            generate(client, url, prompt, max_new_tokens=args.max_new_tokens, ignore_eos=ignore_eos)
                     trace = record(url, prompts, **recording, with_stack=False)
                     stacks = record(url, prompts[:1], **recording, with_stack=True)
                 anchor = "DECODE" if setting is None else "VERIFY"
                 summary = summarize_trace(read_trace(trace), anchor)
                 summary.python_ms = summarize_trace(read_trace(stacks), anchor).python_ms
-                row.update(summary.__dict__, gpu_idle=summary.gpu_idle, trace=trace.name, stacks=stacks.name)
+                row.update(summary.as_dict(), trace=trace.name, stacks=stacks.name)
             except (ServerProcessError, ValueError, RuntimeError, OSError, EOFError, httpx.HTTPError) as exc:
                 # A server this set-up does not start, or a trace without the anchor (it came back all the same:
                 # `--trace` reads it with another), is a row that says why, not the end of the run.
@@ -454,7 +455,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.trace:
         summary = summarize_trace(read_trace(args.trace), args.anchor)
-        print_rows([{"server": args.trace.name, **summary.__dict__, "gpu_idle": summary.gpu_idle}], Console(width=200))
+        print_rows([{"server": args.trace.name, **summary.as_dict()}], Console(width=200))
         return
     if not args.random_target and (args.model is None or args.prompts_file is None):
         parser.error("--model and --prompts-file (or --random-target) are needed to launch servers")

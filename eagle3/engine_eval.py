@@ -590,7 +590,7 @@ def measure_launched(
     progress = EvalProgress.start(work, evaluation_key(target, drafters, prompt_sets, options), options.resume)
     plain_port = free_port()
     servers: list[tuple[str | None, SpeculativeConfig | None, ServerLaunch]] = [
-        (None, None, _launch(target, plain_port, serving_args(options, None), work / "sglang-plain.log"))
+        (None, None, stock_launch(target, plain_port, serving_args(options, None), work / "sglang-plain.log"))
     ]
     for name, drafter in drafters.items():
         export_dir = export_sglang(drafter, work / f"drafter-{name}")
@@ -598,7 +598,7 @@ def measure_launched(
         for setting in options.settings if name != "untrained" else options.settings[:1]:
             log = work / name / f"sglang-{setting.label.replace(',', '-')}.log"
             args = serving_args(options, setting, export_dir)
-            servers.append((name, setting, _launch(target, free_port(), args, log)))
+            servers.append((name, setting, stock_launch(target, free_port(), args, log)))
 
     def measure(drafter: str | None, setting: SpeculativeConfig | None, url: str) -> None:
         logger.info("measuring %s at %s", f"{drafter} drafter, setting {setting.label}" if setting else "plain", url)
@@ -726,7 +726,8 @@ def serving_args(
     return [*speculative, *graphs, *options.sglang_args]
 
 
-def _launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch:
+def stock_launch(target: Path, port: int, args: list[str], log: Path) -> ServerLaunch:
+    """A stock SGLang server of `target` on loopback, as the measurements launch it."""
     # SGLANG_PLUGINS=none: the capture plugin, where installed, stays out of a serving measurement.
     argv = stock_argv(target, port=port, extra_args=args)
     return ServerLaunch(argv, f"http://127.0.0.1:{port}", log, {"SGLANG_PLUGINS": "none"})
