@@ -97,8 +97,9 @@ class StepProfile:
     graph_launches: float
     eager_launches: float
     host_wait_ms: float
-    span_ms: dict[str, float] = field(default_factory=dict)  # span (forward kind or stage) -> host ms per step
-    gpu_span_ms: dict[str, float] = field(default_factory=dict)  # the same spans' GPU time per step
+    # span (forward kind or stage) -> host ms per step, a median as the period is: a step's spans fit in its period
+    span_ms: dict[str, float] = field(default_factory=dict)
+    gpu_span_ms: dict[str, float] = field(default_factory=dict)  # the same spans' GPU time per step (median)
     top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, GPU ms per step, count per step
     # With Python stacks recorded: the functions that take the host's time, inclusive ms per step (slower steps)
     python_ms: list[tuple[str, float]] = field(default_factory=list)
@@ -182,7 +183,7 @@ def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
 
     kernels, graphs, eager, waits = [0] * steps, [0] * steps, [0] * steps, [0.0] * steps
     kernel_totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    gpu_spans: dict[str, float] = defaultdict(float)
+    gpu_spans: dict[str, list[float]] = defaultdict(lambda: [0.0] * steps)
     python_totals: dict[str, float] = defaultdict(float)
     for e in complete:
         cat = e.get("cat")
@@ -194,17 +195,17 @@ def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
             kernel_totals[name][0] += ms
             kernel_totals[name][1] += 1
         elif cat == "gpu_user_annotation":
-            gpu_spans[_span_kind(name)] += ms
+            gpu_spans[_span_kind(name)][i] += ms
         elif cat == "python_function":
             python_totals[name] += ms
         else:  # the CUDA runtime or driver
             graphs[i] += name in GRAPH_LAUNCHES
             eager[i] += name in KERNEL_LAUNCHES
             waits[i] += ms if name in HOST_WAITS else 0.0
-    host_spans: dict[str, float] = defaultdict(float)
+    host_spans: dict[str, list[float]] = defaultdict(lambda: [0.0] * steps)
     for span in annotations:
-        if where.index(span.start) is not None:
-            host_spans[span.name] += (span.end - span.start) / 1000
+        if (i := where.index(span.start)) is not None:
+            host_spans[span.name][i] += (span.end - span.start) / 1000
     period = statistics.median((b - a) / 1000 for a, b in windows)
     # The scheduler's loop and its callers cover whole steps and say nothing: what takes less than most of a step does.
     python = [(name, total / steps) for name, total in python_totals.items() if total / steps < 0.9 * period]
@@ -218,8 +219,8 @@ def summarize_trace(events: list[dict[str, Any]], anchor: str) -> StepProfile:
         graph_launches=statistics.fmean(graphs),
         eager_launches=statistics.fmean(eager),
         host_wait_ms=statistics.median(waits),
-        span_ms={kind: total / steps for kind, total in sorted(host_spans.items())},
-        gpu_span_ms={kind: total / steps for kind, total in sorted(gpu_spans.items())},
+        span_ms={kind: statistics.median(per_step) for kind, per_step in sorted(host_spans.items())},
+        gpu_span_ms={kind: statistics.median(per_step) for kind, per_step in sorted(gpu_spans.items())},
         top_kernels=[(name, total / steps, count / steps) for name, (total, count) in top],
         python_ms=sorted(python, key=lambda item: -item[1])[:TOP_PYTHON],
     )
