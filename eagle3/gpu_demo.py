@@ -157,20 +157,14 @@ def extract_through_the_stack(
 ) -> dict[str, Any]:
     """Stages 2 and 3: the stack up, every answer regenerated, the result extracted, SGLang's own rates on the same
     work measured on the same server; the stack stops so that the trainer has the GPU to itself."""
-    shm_dir = demo_dir / "shm"
-    shm_dir.mkdir(parents=True, exist_ok=True)
-    roots = {str(dataset.parent.resolve()), str(demo_dir.resolve())}
-    settings = settings.model_copy(
-        update={
-            "model_path": model,
-            "dataset_roots": [*settings.dataset_roots, *sorted(roots)],
-            "capture_transport": "shm",
-            "shm_dir": shm_dir,
-            "inference_concurrency": args.inference_concurrency,
-            "regenerate_concurrency": args.regenerate_concurrency,
-            "write_concurrency": args.write_concurrency,
-            **({} if "redis_url" in settings.model_fields_set else {"redis_url": f"redis://127.0.0.1:{free_port()}/0"}),
-        }
+    settings = gpu_stack_settings(
+        settings,
+        model=model,
+        work_dir=demo_dir,
+        dataset=dataset,
+        inference_concurrency=args.inference_concurrency,
+        regenerate_concurrency=args.regenerate_concurrency,
+        write_concurrency=args.write_concurrency,
     )
     report: dict[str, Any] = {}
     inference_argv = capture_server_argv(args)
@@ -227,6 +221,35 @@ def extract_through_the_stack(
         raise SystemExit(f"demo failed: {exc}") from exc
     report["extraction"] = completed_extraction(p, job, settings, model, extract_seconds, args.workers)
     return report
+
+
+def gpu_stack_settings(
+    settings: Settings,
+    *,
+    model: Path,
+    work_dir: Path,
+    dataset: Path,
+    inference_concurrency: int,
+    regenerate_concurrency: int,
+    write_concurrency: int,
+) -> Settings:
+    """The stack's settings on one GPU machine: states through shared memory under `work_dir`, the dataset's folder
+    and `work_dir` readable by the producer, and a Redis of its own on a free port unless one was configured."""
+    shm_dir = work_dir / "shm"
+    shm_dir.mkdir(parents=True, exist_ok=True)
+    roots = {str(dataset.parent.resolve()), str(work_dir.resolve())}
+    return settings.model_copy(
+        update={
+            "model_path": model,
+            "dataset_roots": [*settings.dataset_roots, *sorted(roots)],
+            "capture_transport": "shm",
+            "shm_dir": shm_dir,
+            "inference_concurrency": inference_concurrency,
+            "regenerate_concurrency": regenerate_concurrency,
+            "write_concurrency": write_concurrency,
+            **({} if "redis_url" in settings.model_fields_set else {"redis_url": f"redis://127.0.0.1:{free_port()}/0"}),
+        }
+    )
 
 
 def regeneration_shard_size(conversations: int, workers: int, concurrency: int) -> int:

