@@ -89,7 +89,8 @@ class TrainConfig(BaseModel):
     recompute_mlp: bool = Field(
         default=False,
         description="compute each step's MLP activations again in backward instead of keeping them: 0.6x the "
-        "activations kept per token for about a sixth more compute; for long sequences",
+        "activations kept per token for about a sixth more compute; for long sequences (a run on one GPU switches "
+        "it on by itself when a micro-batch runs out of memory)",
     )
     compile_backbone: bool = Field(
         default=False,
@@ -99,7 +100,8 @@ class TrainConfig(BaseModel):
     recompute_logits: bool = Field(
         default=False,
         description="compute each step's logits again in backward instead of keeping their gradient (2 bytes per "
-        "draft token per row) for one more lm_head matmul a step; for long sequences",
+        "draft token per row) for one more lm_head matmul a step; for long sequences (a run on one GPU switches it "
+        "on by itself, after --recompute-mlp, when a micro-batch runs out of memory)",
     )
 
 

@@ -123,6 +123,11 @@ class StepResult:
     stepped: bool  # False when no micro-batch had a gradient or the gradient was not finite
 
 
+class StepOutOfMemory(torch.OutOfMemoryError):
+    """The GPU ran out of memory in a micro-batch's forward or backward: the step applied nothing (still a torch
+    OutOfMemoryError to code that catches that)."""
+
+
 def train_step(
     model: nn.Module,
     batches: list[Batch | None],
@@ -140,10 +145,50 @@ def train_step(
 
     Under DDP (`model` a DistributedDataParallel) every rank must pass the same number of micro-batches.
     """
-    distributed = isinstance(model, DistributedDataParallel)
     # sums: [micro_batches, loss, tokens, per-step correct x L, per-step loss*rows x L, per-step rows x L]
     sums = torch.zeros(3 + 3 * ttt_length, dtype=torch.float64)
     model.train()
+    try:
+        _forward_backward(model, batches, sums, loss_scale=loss_scale, ttt_length=ttt_length, device=device)
+    except torch.OutOfMemoryError as error:
+        # Before the optimizer: nothing applied yet. The gradients so far go, so the same micro-batches can be trained
+        # again from the start with less kept for backward.
+        optimizer.zero_grad(set_to_none=True)
+        raise StepOutOfMemory(str(error).splitlines()[0]) from error
+    if control_group is not None or dist.is_initialized():
+        dist.all_reduce(sums, group=control_group)
+    count, rows = int(sums[0]), sums[3 + 2 * ttt_length :].clamp(min=1)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm) if count else torch.tensor(0.0)
+    # Gradients are identical on every rank after the all-reduce, so every rank takes the same branch.
+    stepped = count > 0 and bool(torch.isfinite(grad_norm))
+    if stepped:
+        optimizer.step()
+        scheduler.step()
+    elif count:
+        logger.warning("non-finite gradient norm %s: step skipped", float(grad_norm))
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        micro_batches=count,
+        loss=float(sums[1]) / max(count, 1),
+        step_losses=(sums[3 + ttt_length : 3 + 2 * ttt_length] / rows).tolist(),
+        step_accuracies=(sums[3 : 3 + ttt_length] / rows).tolist(),
+        tokens=int(sums[2]),
+        grad_norm=float(grad_norm),
+        stepped=stepped,
+    )
+
+
+def _forward_backward(
+    model: nn.Module,
+    batches: list[Batch | None],
+    sums: torch.Tensor,
+    *,
+    loss_scale: float,
+    ttt_length: int,
+    device: torch.device,
+) -> None:
+    """Forward and backward of every micro-batch, gradients accumulating; the loss and accuracy sums into `sums`."""
+    distributed = isinstance(model, DistributedDataParallel)
     for i, batch in enumerate(batches):
         last = i == len(batches) - 1
         if batch is not None and batch.input_ids.shape[1] < 3:
@@ -166,24 +211,3 @@ def train_step(
                 sums[3 + ttt_length : 3 + 2 * ttt_length] += torch.tensor(out.step_losses, dtype=torch.float64) * rows
                 sums[3 + 2 * ttt_length :] += rows
         loss.backward()
-    if control_group is not None or dist.is_initialized():
-        dist.all_reduce(sums, group=control_group)
-    count, rows = int(sums[0]), sums[3 + 2 * ttt_length :].clamp(min=1)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm) if count else torch.tensor(0.0)
-    # Gradients are identical on every rank after the all-reduce, so every rank takes the same branch.
-    stepped = count > 0 and bool(torch.isfinite(grad_norm))
-    if stepped:
-        optimizer.step()
-        scheduler.step()
-    elif count:
-        logger.warning("non-finite gradient norm %s: step skipped", float(grad_norm))
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(
-        micro_batches=count,
-        loss=float(sums[1]) / max(count, 1),
-        step_losses=(sums[3 + ttt_length : 3 + 2 * ttt_length] / rows).tolist(),
-        step_accuracies=(sums[3 : 3 + ttt_length] / rows).tolist(),
-        tokens=int(sums[2]),
-        grad_norm=float(grad_norm),
-        stepped=stepped,
-    )

@@ -59,6 +59,7 @@ from services.trainer.distributed import Runtime, init_runtime
 from services.trainer.drafter import Eagle3Drafter, TargetHead, build_drafter, read_target_config
 from services.trainer.loss import Batch
 from services.trainer.step import (
+    StepOutOfMemory,
     StepResult,
     TrainClock,
     TTTObjective,
@@ -95,6 +96,9 @@ class LoadingGroup:
 # Real tokens per padded token after length-sorted packing; only used to guess the LR schedule's length when
 # neither max_steps nor schedule_steps is given.
 PACKING_EFFICIENCY = 0.85
+# What a run gives up, in this order, when a micro-batch does not fit in GPU memory (TrainConfig's flags of the same
+# names: each keeps less for backward for more compute).
+RECOMPUTE_FLAGS = ("recompute_mlp", "recompute_logits")
 
 
 def train(
@@ -300,6 +304,7 @@ class Trainer:
         self._prefetch = ThreadPoolExecutor(max_workers=config.prefetch_groups, thread_name_prefix="load-ahead")
         self.step, self.train_tokens, self.clock = 0, 0, clock
         self.history: list[dict[str, Any]] = []
+        self.recomputed: list[dict[str, Any]] = []  # flags switched on after a micro-batch ran out of GPU memory
         self.data_wait_s = 0.0  # the log window's time spent waiting for loads: the device idled that long
         self.last_saved_step = -1
         self.labels = (config.job_id, config.run_name)
@@ -429,17 +434,47 @@ class Trainer:
         self.data_wait_s += time.monotonic() - waited
         self.loader.stats.add(group.stats)
         batches += [None] * (A - len(batches))  # placeholders: the last group may be short
-        return train_step(
-            self.model,
-            batches,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            params=self.params,
-            loss_scale=self.runtime.world_size / group.size,
-            max_grad_norm=self.config.max_grad_norm,
-            ttt_length=self.config.ttt_length,
-            device=self.runtime.device,
-            control_group=self.runtime.control_group,
+        while True:
+            try:
+                return train_step(
+                    self.model,
+                    batches,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    params=self.params,
+                    loss_scale=self.runtime.world_size / group.size,
+                    max_grad_norm=self.config.max_grad_norm,
+                    ttt_length=self.config.ttt_length,
+                    device=self.runtime.device,
+                    control_group=self.runtime.control_group,
+                )
+            except StepOutOfMemory as error:
+                self._keep_less_for_backward(error, batches)
+
+    def _keep_less_for_backward(self, error: StepOutOfMemory, batches: list[Batch | None]) -> None:
+        """After a micro-batch ran out of GPU memory: from now on recompute each unrolled step's MLP in backward,
+        then also its logits (what --recompute-mlp and --recompute-logits do: 0.6x, then 0.4x the activations kept
+        a token, for about a fifth of the speed), and the same micro-batches train again. A run of several ranks
+        cannot retry one rank's step alone, and one that keeps as little as it can has nothing left to give up:
+        those stop, saying what to change."""
+        drafter_config = self.drafter.config
+        flag = next((f for f in RECOMPUTE_FLAGS if not getattr(drafter_config, f)), None)
+        tokens = max((b.input_ids.numel() for b in batches if b is not None), default=0)
+        if flag is None or self.runtime.world_size > 1:
+            given = " ".join(f"--{f.replace('_', '-')}" for f in RECOMPUTE_FLAGS if getattr(drafter_config, f))
+            advice = "a smaller --batch-tokens" if flag is None else f"--{flag.replace('_', '-')} on every rank"
+            raise ConfigurationError(
+                f"out of GPU memory at {tokens} tokens a micro-batch{f' with {given}' if given else ''}: "
+                f"train with {advice} ({error})"
+            ) from error
+        setattr(drafter_config, flag, True)
+        self.recomputed.append({"step": self.step, "tokens": tokens, "flag": flag})
+        torch.cuda.empty_cache()
+        logger.warning(
+            "out of GPU memory at %d tokens a micro-batch (%s): --%s from now on, and the step again",
+            tokens,
+            error,
+            flag.replace("_", "-"),
         )
 
     def _finish(self, stop_reason: str, checkpoint: str | None) -> dict[str, Any]:
@@ -483,6 +518,7 @@ class Trainer:
             "skipped_samples": sum(s["skipped_samples"] for s in stats),
             "skipped_by_reason": dict(sum((Counter(s["skipped_by_reason"]) for s in stats), Counter())),
             "memory_cache": self._memory_cache_stats(),
+            "recomputation_after_out_of_memory": self.recomputed,
             "rank_parameter_sha256": fingerprints,
             "heldout": heldout,
             "history": self.history,

@@ -26,6 +26,7 @@ from services.trainer import cli as trainer_cli
 from services.trainer import drafter as drafter_module
 from services.trainer import export
 from services.trainer import loss as loss_module
+from services.trainer import step as step_module
 from services.trainer.config import TrainConfig
 from services.trainer.data import IncompatibleJob, heldout_shards
 from services.trainer.evaluate import evaluate_checkpoint, prompts_from_file
@@ -159,6 +160,46 @@ def test_recomputing_in_backward_trains_the_same_steps(
     for a, b in zip(kept["history"], recomputed["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert b["step_losses"] == pytest.approx(a["step_losses"], rel=1e-4)
+
+
+def test_a_micro_batch_out_of_gpu_memory_trains_again_keeping_less_for_backward(
+    extracted_job: ExtractedJob, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU's answer to a micro-batch that does not fit, as torch raises it, until both recompute flags are on.
+    def needs_both_flags(drafter: Any, *args: Any, **kwargs: Any) -> Any:
+        if not (drafter.config.recompute_mlp and drafter.config.recompute_logits):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return real_loss(drafter, *args, **kwargs)
+
+    real_loss = step_module.ttt_loss
+    settings = settings_for(extracted_job.storage_url, tmp_path)
+    run = {"max_steps": 3, "checkpoint_every": 100}
+    fits = train(config(extracted_job.job_id, run_name="fits", **run), settings=settings)
+    monkeypatch.setattr(step_module, "ttt_loss", needs_both_flags)
+    recovered = train(config(extracted_job.job_id, run_name="recovered", **run), settings=settings)
+
+    # The first step gave up the MLP's activations, then the logits', and trained the same micro-batches again:
+    # the run is the one that fitted, step for step.
+    switched = recovered["recomputation_after_out_of_memory"]
+    assert [(s["step"], s["flag"]) for s in switched] == [(0, "recompute_mlp"), (0, "recompute_logits")], switched
+    assert all(s["tokens"] > 0 for s in switched)
+    assert [h["loss"] for h in recovered["history"]] == pytest.approx([h["loss"] for h in fits["history"]], rel=1e-4)
+    assert fits["recomputation_after_out_of_memory"] == []
+
+    # With both already on there is nothing left to give up: the run stops, saying what to change.
+    def never_fits(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    monkeypatch.setattr(step_module, "ttt_loss", never_fits)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"out of GPU memory at \d+ tokens a micro-batch with "
+        r"--recompute-mlp --recompute-logits: train with a smaller --batch-tokens",
+    ):
+        train(
+            config(extracted_job.job_id, run_name="too-big", recompute_mlp=True, recompute_logits=True, **run),
+            settings=settings,
+        )
 
 
 def test_missing_and_corrupted_samples_are_skipped_and_training_goes_on(
