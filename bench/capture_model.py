@@ -19,8 +19,10 @@ LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_laye
 RANDOM_8B = "llama-3.1-8b-random"
 
 
-def random_llama_8b(out_dir: Path) -> Path:
-    """A Llama-3.1-8B-shaped model with random bf16 weights (no hub here), saved once as a Hugging Face folder."""
+def random_llama_8b(out_dir: Path, *, weights: bool = True) -> Path:
+    """A Llama-3.1-8B-shaped model with random bf16 weights (no hub here), saved once as a Hugging Face folder.
+    Without `weights`, only its config and tokenizer: for a server that draws random weights itself (SGLang's
+    `--load-format dummy`), with no 16 GB of files to write, read and hash."""
     if (out_dir / "config.json").exists():
         return out_dir
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,10 +30,19 @@ def random_llama_8b(out_dir: Path) -> Path:
     from tests.builders import build_tiny_llama
 
     build_tiny_llama(out_dir)  # the tokenizer; its model files are replaced below
+    config = LlamaConfig(**LLAMA_31_8B, torch_dtype="bfloat16")
+    if not weights:
+        for tiny_weights in out_dir.glob("*.safetensors*"):
+            tiny_weights.unlink()
+        config.save_pretrained(out_dir)
+        return out_dir
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_31_8B, torch_dtype="bfloat16")).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the GPU is the server's next, in another process
     return out_dir
 
 

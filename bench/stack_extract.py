@@ -10,11 +10,11 @@ server with nothing in between. Repeats alternate the two, after one small job a
 the server; the table has the medians and their ratio.
 
     python -m bench.stack_extract --model llama-3.1-8b-random --prompts 192 --prompt-tokens 2048 --sglang \\
-        --sglang-args "--attention-backend triton --disable-radix-cache" --repeats 3 --json stack_extract.json
+        --sglang-args "--disable-radix-cache" --repeats 3 --json stack_extract.json
 
---model is llama-3.1-8b-random (random bf16 weights at Llama-3.1-8B's shape, built once under --work-dir), smollm2
-or a model folder. Without --sglang the capture server is the project's reference server: the same command as a
-smoke test on a CPU.
+--model is llama-3.1-8b-random (Llama-3.1-8B's shape with random weights: SGLang draws them, `--load-format
+dummy`, so the folder under --work-dir holds only the config and a tokenizer), smollm2 or a model folder. Without
+--sglang the capture server is the project's reference server: the same command as a smoke test on a CPU.
 """
 
 import argparse
@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
-from bench.capture_model import bench_prompts, capture_model
+from bench.capture_model import RANDOM_8B, bench_prompts, capture_model, random_llama_8b
 from eagle3.api import check, read_progress
 from eagle3.engine_eval import decode_all
 from eagle3.gpu_demo import SGLANG_START_TIMEOUT_S, gpu_stack_settings
@@ -130,9 +130,17 @@ def main() -> None:
     exit_on_sigterm()
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    model_dir, config = capture_model(args.model, args.work_dir / "models")
-    # The records come out a few tokens longer or shorter once tokenized again; nothing is cut.
-    max_length = 2 * args.prompt_tokens
+    sglang_args = shlex.split(args.sglang_args)
+    if args.model == RANDOM_8B and args.sglang:
+        # Random weights either way: SGLang draws them (--load-format dummy), and the folder holds no weight files.
+        model_dir = random_llama_8b(args.work_dir / "models" / "llama-3.1-8b-shape", weights=False)
+        config = json.loads((model_dir / "config.json").read_text())
+        sglang_args += ["--load-format", "dummy"]
+    else:
+        model_dir, config = capture_model(args.model, args.work_dir / "models")
+    # Decoded and tokenized again, a record comes out longer (1.65x with the random model's small tokenizer): the job
+    # truncates each to --prompt-tokens, as the yardstick's sequences are.
+    max_length = args.prompt_tokens
     dataset = write_dataset(
         args.work_dir / "prompts.jsonl",
         model_dir,
@@ -152,7 +160,7 @@ def main() -> None:
     )
     inference_argv = None
     if args.sglang:
-        inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *shlex.split(args.sglang_args)]
+        inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *sglang_args]
     spec = {"dataset_url": str(dataset), "model_path": str(model_dir), "max_length": max_length}
     concurrency = args.workers * args.inference_concurrency
     report: dict[str, Any] = {

@@ -24,6 +24,7 @@ def test_the_job_and_the_prefill_measure_the_same_tokens(tiny_model_dir: Path, t
     report = json.loads(out.read_text())
 
     assert report["server"] == "reference" and report["prompts"] == 6 and len(report["repeats"]) == 2
+    assert report["tokens"] == 6 * 48  # every prompt exactly --prompt-tokens long
     for repeat in report["repeats"]:
         # Every record extracted, and the yardstick prefilled exactly the tokens the job committed.
         assert repeat["job"]["samples"] == 6, repeat
