@@ -434,6 +434,7 @@ class EngineEvalOptions:
     repeats: int = 2
     max_prompts: int | None = None
     compare_own: bool = True
+    own_drafters: tuple[str, ...] | None = None  # the drafters the own measurement decodes with (default: each)
     url: str | None = None  # a running speculative server instead of launching
     plain_url: str | None = None  # a running plain server instead of launching
     sglang_python: str = sys.executable
@@ -514,9 +515,10 @@ def evaluate_on_engine(source: DrafterSource, files: list[Path], *, options: Eng
             results, headline = progress.results, options.settings[0]
         if options.compare_own:
             try:
+                own = {n: d for n, d in drafters.items() if options.own_drafters is None or n in options.own_drafters}
                 _compare_with_own(
                     results,
-                    drafters,
+                    own,
                     prompt_sets,
                     target,
                     headline,

@@ -19,6 +19,7 @@ import torch
 from eagle3 import cli
 from eagle3.engine_eval import (
     Completion,
+    DrafterSource,
     EngineEvalOptions,
     EngineResult,
     ServerRun,
@@ -26,6 +27,7 @@ from eagle3.engine_eval import (
     best_setting,
     drafters_from_folder,
     engine_acceptance,
+    evaluate_on_engine,
     generate,
     load_requests,
     matching_outputs,
@@ -408,3 +410,20 @@ def test_a_resumed_evaluation_measures_only_what_is_missing(tiny_model_dir: Path
         drafters["trained"].lm_head.weight.add_(1.0)  # another drafter: nothing measured before counts
     measure_launched(tiny_model_dir, drafters, TWO_PROMPTS, options, work)
     assert all(log.stat().st_mtime_ns != logs[log] for log in work.rglob("sglang-*.log"))
+
+
+def test_the_own_measurement_decodes_with_the_drafters_it_is_given(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The GPU demo's evaluation: SGLang's numbers for both drafters (stand-in servers here), the project's own
+    decoding beside them for the trained drafter only."""
+    drafters, options = stand_in_evaluation(tiny_model_dir, tmp_path, ["7,1,8"])
+    options.max_new_tokens, options.own_drafters = 8, ("trained",)
+    prompts = tmp_path / "code.jsonl"
+    turns = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}]
+    prompts.write_text(json.dumps({"messages": turns}) + "\n")
+    source = DrafterSource("stand-in", tiny_model_dir, drafters["trained"], drafters["untrained"])
+
+    report = evaluate_on_engine(source, [prompts], options=options)
+
+    own = {row["drafter"]: row["own_acceptance_length"] for row in report["results"]}
+    assert set(own) == {"trained", "untrained"}
+    assert own["trained"] is not None and own["trained"] >= 1.0 and own["untrained"] is None, own
