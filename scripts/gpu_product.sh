@@ -173,7 +173,21 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
       > "$FA3_LIBRARY.tmp" || exit 1
     (cd "$(dirname "$FA3_LIBRARY")" && mv flash_ops.abi3.so.tmp flash_ops.abi3.so \
       && sha256sum -c /tmp/gpu_fa3_1/flash_ops.abi3.so.sha256) || { rm -f "$FA3_LIBRARY"; exit 1; }
-    python3 -c "from sgl_kernel.flash_attn import flash_attn_with_kvcache; print('FA3 loads')" || exit 1 ;;
+    # One FA3 decode against PyTorch's attention: the library loads and its Hopper kernels run on this card (else it
+    # goes again, and the servers keep Triton attention).
+    python3 - <<'PYEOF' || { rm -f "$FA3_LIBRARY"; exit 1; }
+import torch
+from sgl_kernel.flash_attn import flash_attn_with_kvcache
+
+q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)  # batch, new tokens, heads, head dim
+k, v = (torch.randn(1, 16, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+out = flash_attn_with_kvcache(q, k, v, cache_seqlens=torch.tensor([16], dtype=torch.int32, device="cuda"))
+ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+error = (out.float() - ref.float()).abs().max().item()
+print(f"FA3 runs: largest difference from PyTorch's attention {error:.1e}")
+assert error < 2e-2, error
+PYEOF
+    ;;
   model)
     python3 -c "from pathlib import Path; from shared.data.model_assets import ensure_smollm2
 print(ensure_smollm2(Path('$(dirname "$MODEL")')))" || exit 1 ;;
