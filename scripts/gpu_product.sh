@@ -138,7 +138,9 @@ EVAL_SGLANG=${EVAL_SGLANG_ARGS---enable-request-time-stats-logging}
 # A command cut off by the call's limit can leave its servers behind (an SGLang server held 67 GB of the GPU into the
 # next command, 2026-12-06): nothing from an earlier command may hold the GPU now.
 stale=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
-if [ -n "$stale" ]; then echo "stopping what an earlier command left on the GPU: pids $stale"; kill -9 $stale; sleep 2; fi
+if [ -n "$stale" ]; then echo "stopping what an earlier command left on the GPU: pids $stale"; kill -9 $stale; fi
+# By name too, where the GPU's process ids are not this container's ([s]: the pattern never matches pkill itself).
+pkill -9 -f '[s]glang\.launch_server|[s]glang::|[e]agle3_sglang_plugin\.launch' && sleep 2
 # Seconds a stage may still run so that it ends, and what it wrote comes back, inside the 600 s a command may run.
 left() { echo $((${COMMAND_LIMIT:-590} - SECONDS)); }
 
