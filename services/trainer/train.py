@@ -454,7 +454,7 @@ class Trainer:
     def _keep_less_for_backward(self, error: StepOutOfMemory, batches: list[Batch | None]) -> None:
         """After a micro-batch ran out of GPU memory: from now on recompute each unrolled step's MLP in backward,
         then also its logits (what --recompute-mlp and --recompute-logits do: 0.6x, then 0.4x the activations kept
-        a token, for about a fifth of the speed), and the same micro-batches train again. A run of several ranks
+        a token, the step up to a fifth slower), and the same micro-batches train again. A run of several ranks
         cannot retry one rank's step alone, and one that keeps as little as it can has nothing left to give up:
         those stop, saying what to change."""
         drafter_config = self.drafter.config
