@@ -7,8 +7,11 @@ CUDA graphs on as users serve: warmed, then SGLang's own torch profiler (`/start
 records while `--requests` prompts are decoded one at a time, and the trace is summarised per step:
 
 - period: milliseconds from one decode forward (plain) or one verification (speculative) to the next, within a
-  request (windows holding a prefill are left out);
-- GPU busy: the union of kernel and copy intervals per step; the rest of the period the GPU waits for the host;
+  request (windows holding a prefill are left out), under the profiler, which slows the host's every call (2.5x a
+  plain token's on an H100); and unprofiled, the same prompts decoded before the profiler starts, less a one-token
+  request each, over their steps: the step's real cost;
+- GPU busy: the union of kernel and copy intervals per step; against the unprofiled period, how long the GPU waits
+  for the host;
 - kernels run on the GPU, graphs replayed and kernels launched one by one by the host, and the host's waits for the
   GPU (stream, event and device synchronisations, blocking copies), per step;
 - host time in each forward SGLang names (`step[DECODE ...]`, `step[VERIFY ...]`, `step[DRAFT ...]`), per step;
@@ -321,6 +324,23 @@ def launch_arguments(
     return [*speculative, *graphs, *loading, *shlex.split(common), *shlex.split(variant)]
 
 
+def unprofiled_step_ms(url: str, prompts: list[list[int]], *, max_new_tokens: int, ignore_eos: bool) -> float | None:
+    """Milliseconds a decoding step takes with no profiler attached (which slows the host's every call): each prompt
+    decoded at batch 1, its one-token request's time taken off, over its steps (SGLang's verifications, or the tokens
+    after the first)."""
+    decoding_ms, steps = 0.0, 0
+    with httpx.Client(timeout=600) as client:
+        for prompt in prompts:
+            started = time.perf_counter()
+            generate(client, url, prompt, max_new_tokens=1, ignore_eos=ignore_eos)
+            first_ms = 1000 * (time.perf_counter() - started)
+            started = time.perf_counter()
+            answer = generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+            decoding_ms += 1000 * (time.perf_counter() - started) - first_ms
+            steps += answer.verify_steps if answer.verify_steps is not None else len(answer.output_ids) - 1
+    return decoding_ms / steps if steps > 0 and decoding_ms > 0 else None
+
+
 def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
     from services.trainer.evaluate import prompts_from_file
     from shared.data.tokenization import ChatTokenizer
@@ -361,12 +381,15 @@ def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:
                     with httpx.Client(timeout=600) as client:  # warmed: first requests compile and allocate
                         for prompt in prompts[:2]:
                             generate(client, url, prompt, max_new_tokens=args.max_new_tokens, ignore_eos=ignore_eos)
+                    unprofiled = unprofiled_step_ms(
+                        url, prompts, max_new_tokens=args.max_new_tokens, ignore_eos=ignore_eos
+                    )
                     trace = record(url, prompts, **recording, with_stack=False)
                     stacks = record(url, prompts[:1], **recording, with_stack=True)
                 anchor = "DECODE" if setting is None else "VERIFY"
                 summary = summarize_trace(read_trace(trace), anchor)
                 summary.python_ms = summarize_trace(read_trace(stacks), anchor).python_ms
-                row.update(summary.as_dict(), trace=trace.name, stacks=stacks.name)
+                row.update(summary.as_dict(), trace=trace.name, stacks=stacks.name, unprofiled_period_ms=unprofiled)
             except (ServerProcessError, ValueError, RuntimeError, OSError, EOFError, httpx.HTTPError) as exc:
                 # A server this set-up does not start, or a trace without the anchor (it came back all the same:
                 # `--trace` reads it with another), is a row that says why, not the end of the run.
@@ -385,8 +408,10 @@ def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
         "server",
         "steps",
         "period ms",
+        "unprofiled ms",
         "GPU busy ms",
         "GPU idle",
+        "idle unprofiled",
         "kernels",
         "graphs",
         "eager launches",
@@ -396,12 +421,15 @@ def print_rows(rows: list[dict[str, Any]], console: Console) -> None:
     ):
         table.add_column(column, justify="left" if column in ("server", "spans' host ms", "spans' GPU ms") else "right")
     for row in rows:
+        unprofiled = row.get("unprofiled_period_ms")
         table.add_row(
             row["server"],
             str(row["steps"]),
             f"{row['period_ms']:.2f}",
+            "-" if unprofiled is None else f"{unprofiled:.2f}",
             f"{row['gpu_busy_ms']:.2f}",
             f"{row['gpu_idle']:.0%}",
+            "-" if unprofiled is None else f"{max(0.0, 1 - row['gpu_busy_ms'] / unprofiled):.0%}",
             f"{row['kernels']:.0f}",
             f"{row['graph_launches']:.1f}",
             f"{row['eager_launches']:.0f}",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.sglang_step_profile import read_trace, summarize_trace
+from bench.sglang_step_profile import read_trace, summarize_trace, unprofiled_step_ms
 
 
 def test_a_real_trace_gives_one_step_per_decode_forward_and_leaves_out_the_prefill(tmp_path: Path) -> None:
@@ -124,3 +124,11 @@ def test_sglang_parses_the_profiles_launch_arguments_as_meant(setting: str | Non
     else:
         assert values["speculative_algorithm"] == "EAGLE3" and values["speculative_num_steps"] == 7
         assert values["speculative_draft_load_format"] == "auto"
+
+
+def test_the_unprofiled_step_is_a_requests_time_less_its_first_token_over_its_steps(reference_server_url: str) -> None:
+    # The reference server speaks SGLang's /generate (without ignore_eos); its plain answers count no verifications,
+    # so a step is a token after the first.
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    step_ms = unprofiled_step_ms(reference_server_url, prompts, max_new_tokens=6, ignore_eos=False)
+    assert step_ms is not None and 0 < step_ms < 2000
