@@ -52,7 +52,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eagle3.engine_eval import SpeculativeConfig, generate, stock_launch
+from eagle3.engine_eval import SpeculativeConfig, generate, stock_launch, timed_requests
 from eagle3.jobs import exit_on_sigterm
 from eagle3.local_stack import free_port
 from eagle3.server_process import ServerProcessError, server_processes
@@ -325,19 +325,11 @@ def launch_arguments(
 
 
 def unprofiled_step_ms(url: str, prompts: list[list[int]], *, max_new_tokens: int, ignore_eos: bool) -> float | None:
-    """Milliseconds a decoding step takes with no profiler attached (which slows the host's every call): each prompt
-    decoded at batch 1, its one-token request's time taken off, over its steps (SGLang's verifications, or the tokens
-    after the first)."""
-    decoding_ms, steps = 0.0, 0
-    with httpx.Client(timeout=600) as client:
-        for prompt in prompts:
-            started = time.perf_counter()
-            generate(client, url, prompt, max_new_tokens=1, ignore_eos=ignore_eos)
-            first_ms = 1000 * (time.perf_counter() - started)
-            started = time.perf_counter()
-            answer = generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
-            decoding_ms += 1000 * (time.perf_counter() - started) - first_ms
-            steps += answer.verify_steps if answer.verify_steps is not None else len(answer.output_ids) - 1
+    """Milliseconds a decoding step takes with no profiler attached (which slows the host's every call): the prompts
+    decoded at batch 1, a one-token request's time taken off each, over their steps."""
+    first_ms, _ = timed_requests(url, prompts, 1, ignore_eos=ignore_eos)
+    full_ms, answers = timed_requests(url, prompts, max_new_tokens, ignore_eos=ignore_eos)
+    decoding_ms, steps = sum(full_ms) - sum(first_ms), sum(a.decoding_steps for a in answers)
     return decoding_ms / steps if steps > 0 and decoding_ms > 0 else None
 
 

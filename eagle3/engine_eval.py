@@ -165,6 +165,11 @@ class Completion:
         )
 
     @property
+    def decoding_steps(self) -> int:
+        """Forwards after the prefill: SGLang's verifications where it counts them, else the tokens after the first."""
+        return self.verify_steps if self.verify_steps is not None else len(self.output_ids) - 1
+
+    @property
     def acceptance_length(self) -> float | None:
         """Tokens per verification step, the bonus token included; the prefill's first token is not a step's."""
         if not self.verify_steps:
@@ -239,20 +244,21 @@ class ServerRun:
 
 
 def _mean_steps(completions: list[Completion]) -> float | None:
-    """Mean decoding steps a request: SGLang's verifications where it counts them, else the tokens after the first."""
+    """Mean decoding steps a request."""
     if not completions:
         return None
-    steps = [c.verify_steps if c.verify_steps is not None else len(c.output_ids) - 1 for c in completions]
-    return sum(steps) / len(steps)
+    return statistics.fmean(c.decoding_steps for c in completions)
 
 
-def timed_requests(url: str, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[float], list[Completion]]:
+def timed_requests(
+    url: str, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool = False
+) -> tuple[list[float], list[Completion]]:
     """Milliseconds and answers, one request at a time, of a request for `max_new_tokens` per prompt."""
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         latencies, completions = [], []
         for prompt in prompts:
             started = time.perf_counter()
-            completions.append(generate(client, url, prompt, max_new_tokens=max_new_tokens))
+            completions.append(generate(client, url, prompt, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos))
             latencies.append(1000 * (time.perf_counter() - started))
     return latencies, completions
 

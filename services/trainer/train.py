@@ -458,11 +458,15 @@ class Trainer:
         cannot retry one rank's step alone, and one that keeps as little as it can has nothing left to give up:
         those stop, saying what to change."""
         drafter_config = self.drafter.config
+
+        def option(flag: str) -> str:
+            return "--" + flag.replace("_", "-")
+
         flag = next((f for f in RECOMPUTE_FLAGS if not getattr(drafter_config, f)), None)
         tokens = max((b.input_ids.numel() for b in batches if b is not None), default=0)
         if flag is None or self.runtime.world_size > 1:
-            given = " ".join(f"--{f.replace('_', '-')}" for f in RECOMPUTE_FLAGS if getattr(drafter_config, f))
-            advice = "a smaller --batch-tokens" if flag is None else f"--{flag.replace('_', '-')} on every rank"
+            given = " ".join(option(f) for f in RECOMPUTE_FLAGS if getattr(drafter_config, f))
+            advice = "a smaller --batch-tokens" if flag is None else f"{option(flag)} on every rank"
             raise ConfigurationError(
                 f"out of GPU memory at {tokens} tokens a micro-batch{f' with {given}' if given else ''}: "
                 f"train with {advice} ({error})"
@@ -471,10 +475,10 @@ class Trainer:
         self.recomputed.append({"step": self.step, "tokens": tokens, "flag": flag})
         torch.cuda.empty_cache()
         logger.warning(
-            "out of GPU memory at %d tokens a micro-batch (%s): --%s from now on, and the step again",
+            "out of GPU memory at %d tokens a micro-batch (%s): %s from now on, and the step again",
             tokens,
             error,
-            flag.replace("_", "-"),
+            option(flag),
         )
 
     def _finish(self, stop_reason: str, checkpoint: str | None) -> dict[str, Any]:
