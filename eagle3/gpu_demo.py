@@ -17,6 +17,7 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,11 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
         console.print(
             f"[bold]1/5[/] model {model}\n      prompts {dataset}, held out: {', '.join(map(str, eval_files))}"
         )
-        report.update(extract_through_the_stack(args, settings, demo_dir, model, dataset))
+        report.update(
+            extract_through_the_stack(
+                args, settings, demo_dir, model, dataset, save=lambda part: write_report(report_path, report | part)
+            )
+        )
         write_report(report_path, report)
     else:
         console.print(f"[bold]1-3/5[/] extraction job {report['extraction']['job_id']}: done before ({report_path})")
@@ -156,10 +161,17 @@ def resumed_report(path: Path) -> dict[str, Any]:
 
 
 def extract_through_the_stack(
-    args: argparse.Namespace, settings: Settings, demo_dir: Path, model: Path, dataset: Path
+    args: argparse.Namespace,
+    settings: Settings,
+    demo_dir: Path,
+    model: Path,
+    dataset: Path,
+    save: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """Stages 2 and 3: the stack up, every answer regenerated, the result extracted, SGLang's own rates on the same
-    work measured on the same server; the stack stops so that the trainer has the GPU to itself."""
+    work measured on the same server; the stack stops so that the trainer has the GPU to itself. The completed
+    extraction is saved before the yardstick: a command's time limit that cuts the yardstick short leaves a job that
+    `--resume` trains from (an H100's stack started in 176 s and left the yardstick no time, 2026-12-06)."""
     settings = gpu_stack_settings(
         settings,
         model=model,
@@ -203,26 +215,26 @@ def extract_through_the_stack(
                 job = check(api.get(f"/v1/jobs/{job_id}"))["job"]
                 p = watch(job_id, api, alive=stack)
                 extract_seconds = time.monotonic() - extract_started
-            if p.state == "completed":
-                console.print("      SGLang's own decoding and prefill of the same work, driven directly")
-                try:
-                    report["sglang_baseline"] = sglang_baselines(
-                        stack.env["EAGLE3_INFERENCE_URL"],
-                        read_regenerated(settings, report["regeneration"]["job_id"]),
-                        model,
-                        decode_concurrency=args.workers * args.regenerate_concurrency,
-                        prefill_concurrency=args.workers * args.inference_concurrency,
-                        max_new_tokens=args.regenerate_max_new_tokens,
-                        max_length=args.max_length,
-                    )
-                except (httpx.HTTPError, Eagle3Error) as exc:  # a yardstick: the job it measures stands without it
-                    console.print(f"      [yellow]SGLang's own rates not measured: {exc!r}[/]")
-                    report["sglang_baseline"] = {"error": repr(exc)}
+            report["extraction"] = completed_extraction(p, job, settings, model, extract_seconds, args.workers)
+            save(report)
+            console.print("      SGLang's own decoding and prefill of the same work, driven directly")
+            try:
+                report["sglang_baseline"] = sglang_baselines(
+                    stack.env["EAGLE3_INFERENCE_URL"],
+                    read_regenerated(settings, report["regeneration"]["job_id"]),
+                    model,
+                    decode_concurrency=args.workers * args.regenerate_concurrency,
+                    prefill_concurrency=args.workers * args.inference_concurrency,
+                    max_new_tokens=args.regenerate_max_new_tokens,
+                    max_length=args.max_length,
+                )
+            except (httpx.HTTPError, Eagle3Error) as exc:  # a yardstick: the job it measures stands without it
+                console.print(f"      [yellow]SGLang's own rates not measured: {exc!r}[/]")
+                report["sglang_baseline"] = {"error": repr(exc)}
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Eagle3Error as exc:
         raise SystemExit(f"demo failed: {exc}") from exc
-    report["extraction"] = completed_extraction(p, job, settings, model, extract_seconds, args.workers)
     return report
 
 
