@@ -35,6 +35,8 @@
 #   (nothing)                                   bash scripts/gpu_product.sh gpu-tests trainer-profile
 # 18,000 training prompts (`--train 18000`) took the extract stage 357 s on an H200, 2026-12-05 (SGLang's prefill
 # delayer on, answers of at most 128 tokens: the demo's defaults since); 12,000 had taken 540 s without them.
+# On a slower H100 host (2026-12-06) the stack took 176 s to start and the stage ran past 600 s in the yardstick
+# after the job: the report holds the completed extraction before the yardstick, so `train` goes on from it.
 # The trainer's benchmarks start no server and need no SGLang, only the machine's torch, Triton and transformers and
 # some small wheels: after 4 (.gpu_wheels then also holds specforge-0.2.0-py3-none-any.whl), or on a fresh machine
 # with one carry, .gpu_trainer (24 MiB), each under the 10 minutes a command may run. Made here with
