@@ -266,7 +266,7 @@ def record(
         client.post(f"{url}/stop_profile").raise_for_status()
     # SGLang answers stop_profile once the trace is exported; should a version answer before, the file is taken
     # once it has stopped growing.
-    deadline, sizes = time.monotonic() + 300, {}
+    deadline, sizes = time.monotonic() + 300, dict[Path, int]()
     while time.monotonic() < deadline:
         now = {p: p.stat().st_size for p in set(trace_dir.glob("*.trace.json.gz")) - before}
         done = [p for p, size in now.items() if size > 0 and sizes.get(p) == size]
@@ -284,7 +284,7 @@ def random_target(dims: str, out: Path) -> tuple[Path, Path]:
     from services.trainer.export import export_sglang
     from shared.capture.protocol import default_aux_layer_ids
 
-    shape = SHAPES[dims]
+    shape, layers = SHAPES[dims], RANDOM_TARGET_LAYERS[dims]
     target = out / f"target-{dims}"
     target.mkdir(parents=True, exist_ok=True)
     config = {
@@ -295,7 +295,7 @@ def random_target(dims: str, out: Path) -> tuple[Path, Path]:
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
         "head_dim": shape.head_dim,
-        "num_hidden_layers": RANDOM_TARGET_LAYERS[dims],
+        "num_hidden_layers": layers,
         "vocab_size": shape.vocab_size,
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5,
@@ -306,7 +306,7 @@ def random_target(dims: str, out: Path) -> tuple[Path, Path]:
     }
     (target / "config.json").write_text(json.dumps(config, indent=2))
     drafter, _ = random_models(shape)
-    drafter.config.aux_layer_ids = default_aux_layer_ids(config["num_hidden_layers"])  # layers this target has
+    drafter.config.aux_layer_ids = default_aux_layer_ids(layers)  # layers this target has
     return target, export_sglang(drafter, out / f"drafter-{dims}")
 
 
