@@ -57,8 +57,11 @@ DECODE_SAMPLE_WAVES = 8
 # A chain of 7 drafts (the project's own decoding is compared with SGLang's there) and a tree as deep: on a small
 # target a verify of 16 tokens costs about what one of 8 does, and shorter chains measured no faster (5,1,6 and
 # 3,1,4, H200, 2026-12-04). The tree 6,4,16 accepted 3.01 / 3.21 against the chain's 2.36 / 2.74 and served
-# faster (H200, 2026-12-05); a seventh step adds candidates for the same 16 verified tokens.
-DEFAULT_SWEEP = [SpeculativeConfig(7, 1, 8), SpeculativeConfig(7, 4, 16)]
+# faster (H200, 2026-12-05); a seventh step adds candidates for the same 16 verified tokens. A step of this target
+# costs 2.5-3 plain tokens whatever it drafts (FA3 or Triton attention, 2026-12-06), so only more accepted tokens a
+# step make it faster: the sweep also tries a wider tree (topk 8, 32 verified tokens), since topk 4 already raised the
+# first draft position's acceptance from the chain's 0.53 to 0.76 (code, 2026-12-06).
+DEFAULT_SWEEP = [SpeculativeConfig(7, 1, 8), SpeculativeConfig(7, 4, 16), SpeculativeConfig(7, 8, 32)]
 # Sized for one H200 and a small target: shards of seconds, not milliseconds, of the server's work (docs/benchmarks.md).
 GPU_DEFAULTS = {
     "workers": 4,
@@ -457,7 +460,7 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
         action="append",
         type=speculative_setting,
         metavar="STEPS,TOPK,DRAFT_TOKENS",
-        help="serving settings to evaluate (default 7,1,8 and the tree 7,4,16); repeat to sweep",
+        help="serving settings to evaluate (default 7,1,8 and the trees 7,4,16 and 7,8,32); repeat to sweep",
     )
     group.add_argument("--eval-concurrency", type=int, default=16)
     group.add_argument(

@@ -62,7 +62,7 @@ def sglang_parse(argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("setting", ["7,1,8", "3,1,4", "5,4,16", "7,4,16"])
+@pytest.mark.parametrize("setting", ["7,1,8", "3,1,4", "5,4,16", "7,4,16", "7,8,32"])
 def test_sglang_parses_our_launch_arguments_as_meant(setting: str, tmp_path: Path) -> None:
     config = SpeculativeConfig.parse(setting)
     options = EngineEvalOptions(settings=[config], concurrency=16, sglang_args=DEVICE_ARGS + EVAL_LOG_ARGS)
