@@ -2,12 +2,20 @@
 SGLang's own rate on the same work. The run itself is on the lent H200 (docs/benchmarks.md)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from eagle3 import cli
 from eagle3.demo import CPU_DEFAULTS, apply_defaults
-from eagle3.gpu_demo import GPU_DEFAULTS, capture_server_argv, regeneration_shard_size, stage_summary
+from eagle3.gpu_demo import (
+    GPU_DEFAULTS,
+    capture_server_argv,
+    regeneration_shard_size,
+    sglang_baselines,
+    stage_summary,
+)
+from shared.data.datasets import Conversation, Message
 from tests.unit.test_engine_eval import sglang_parse
 
 
@@ -47,16 +55,43 @@ def test_the_report_sets_each_stage_against_sglangs_own_rate() -> None:
         "extraction": {"wall_seconds": 12.1, "tokens_committed": 2344378, "tokens_per_second": 193054.0},
         "training": {"wall_seconds": 182.6, "train_tokens": 16570242, "tokens_per_second": 91979.7, "steps": 567},
         "engine_eval_seconds": 300.0,
-        "sglang_baseline": {"decode_tokens_per_second": 10019.0, "prefill_tokens_per_second": 386108.0},
+        "sglang_baseline": {
+            "decode_tokens_per_second": 10019.0,
+            "decode_client_cpu_share": 0.97,
+            "prefill_tokens_per_second": 386108.0,
+        },
     }
     lines = stage_summary(report).splitlines()
     regeneration = next(line for line in lines if line.startswith("regeneration"))
     extraction = next(line for line in lines if line.startswith("extraction"))
-    assert "0.90x SGLang's own decoding (10,019 tok/s)" in regeneration
+    assert "0.90x SGLang's own decoding (10,019 tok/s), its client at 0.97 CPU-seconds a second" in regeneration
     assert "0.50x SGLang's own prefill (386,108 tok/s)" in extraction
     assert lines[-1].split() == ["the", "stages", "822.8", "s"]  # 126.6 + 201.5 + 12.1 + 182.6 + 300.0
     del report["sglang_baseline"]
     assert "SGLang's own" not in stage_summary(report)
+
+
+def test_the_yardstick_decodes_and_prefills_the_jobs_work_on_a_real_server_and_says_its_clients_cpu(
+    reference_server_url: str, tiny_model_dir: Path
+) -> None:
+    conversations = [
+        Conversation(f"c{i}", i + 1, [Message("user", f"Count to {i}, please."), Message("assistant", "1, 2, 3")])
+        for i in range(6)
+    ]
+    baseline = sglang_baselines(
+        reference_server_url,
+        conversations,
+        tiny_model_dir,
+        decode_concurrency=3,
+        prefill_concurrency=2,
+        max_new_tokens=4,
+        max_length=128,
+    )
+    assert baseline["decode_turns"] == 6 and baseline["prefill_conversations"] == 6
+    assert 0 < baseline["decode_generated_tokens"] <= 6 * 4 and baseline["decode_tokens_per_second"] > 0
+    assert baseline["prefill_tokens"] > 6 * 5 and baseline["prefill_tokens_per_second"] > 0
+    # This process's CPU time while its threads waited on the server: some, and not more than its two cores allow.
+    assert 0 < baseline["decode_client_cpu_share"] <= 2.5
 
 
 def test_a_dataset_without_held_out_prompts_is_refused() -> None:
