@@ -127,7 +127,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
     console.print("[bold]5/5[/] serving it with SGLang's EAGLE-3 against plain SGLang")
     eval_started = time.monotonic()
     drafters = drafters_from_checkpoint(
-        report["training"]["checkpoint"], settings=settings, model_path=str(model), baseline=True
+        report["training"]["checkpoint"], settings=settings, model_path=str(model), baseline=args.eval_baseline
     )
     engine = evaluate_on_engine(
         drafters,
@@ -143,6 +143,7 @@ def cmd_demo_gpu(args: argparse.Namespace, settings: Settings) -> None:
             # The project's own decoding beside SGLang's for the trained drafter only: the untrained one accepts almost
             # nothing, so its Python decoding loop takes the most steps of all (minutes of the stage on a GPU).
             own_drafters=("trained",),
+            compare_own=args.eval_own,
         ),
     )
     report["engine_eval"] = engine
@@ -472,6 +473,20 @@ def add_gpu_arguments(demo_parser: argparse.ArgumentParser) -> None:
         help="serving settings to evaluate (default 7,1,8 and the trees 7,4,16 and 7,8,32); repeat to sweep",
     )
     group.add_argument("--eval-concurrency", type=int, default=16)
+    # Each costs GPU minutes a lent machine may not have: a server start (1-3 minutes) for the untrained drafter, and
+    # the project's own one-prompt-at-a-time decoding of both prompt sets (2-4 minutes, 2026-12-06).
+    group.add_argument(
+        "--no-baseline",
+        dest="eval_baseline",
+        action="store_false",
+        help="leave the untrained drafter out of the evaluation (it accepted 1.03-1.04 tokens a step in every run)",
+    )
+    group.add_argument(
+        "--no-own-eval",
+        dest="eval_own",
+        action="store_false",
+        help="leave out the project's own speculative decoding beside SGLang's",
+    )
     group.add_argument(
         "--resume",
         action="store_true",

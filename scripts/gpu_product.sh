@@ -24,7 +24,9 @@
 #   5 (nothing)                                 bash scripts/gpu_product.sh extract
 #   6 (nothing)                                 bash scripts/gpu_product.sh train
 #   7 (nothing)                                 bash scripts/gpu_product.sh evaluate
-#                                               (again if cut short: it goes on from the servers it measured)
+#                                               (again if cut short: it goes on from the servers it measured;
+#                                               DEMO_ARGS="--no-baseline --no-own-eval" leaves out the untrained
+#                                               drafter's server and the project's own decoding: minutes less)
 #   or, after 4, without training: where a speculative step's time goes (2.5 minutes a server under the profiler on
 #   an H100, 2026-12-06: plain, 7,1,8 and 3,1,4 in one command; another variant is a command of its own)
 #   5' (nothing)                                bash scripts/gpu_product.sh untrained step-profile

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import cli
+from eagle3 import cli, gpu_demo
 from eagle3.demo import CPU_DEFAULTS, apply_defaults
 from eagle3.gpu_demo import (
     GPU_DEFAULTS,
@@ -114,6 +114,34 @@ def test_resume_skips_the_stages_the_report_holds(tmp_path, tiny_model_dir, caps
     out = capsys.readouterr().out
     assert "extraction job job-x: done before" in out and "job-x/trainer/demo-gpu/step_1.pt: trained before" in out
     assert json.loads(report.read_text()) == done  # nothing ran, nothing was rewritten
+
+
+@pytest.mark.parametrize(
+    ("flags", "baseline", "own"),
+    [([], True, True), (["--no-baseline"], False, True), (["--no-baseline", "--no-own-eval"], False, False)],
+)
+def test_the_evaluation_serves_the_untrained_drafter_and_decodes_its_own_unless_told_not_to(
+    flags: list[str], baseline: bool, own: bool, tmp_path, tiny_model_dir, monkeypatch
+) -> None:
+    report = tmp_path / "report.json"
+    done = {"extraction": {"job_id": "job-x"}, "training": {"checkpoint": "job-x/trainer/demo-gpu/step_1.pt"}}
+    report.write_text(json.dumps({**done, "eval_files": []}))
+    seen: dict = {}
+
+    def drafters(checkpoint: str, **kwargs):
+        seen["baseline"] = kwargs["baseline"]
+        return "drafters"
+
+    def evaluate(source, files, *, options):
+        seen.update(source=source, compare_own=options.compare_own, own_drafters=options.own_drafters)
+        raise SystemExit("measured no further")  # the wiring is what this test reads; serving needs a GPU
+
+    monkeypatch.setattr(gpu_demo, "drafters_from_checkpoint", drafters)
+    monkeypatch.setattr(gpu_demo, "evaluate_on_engine", evaluate)
+    argv = ["demo", "--gpu", "--resume", "--report", str(report), "--model", str(tiny_model_dir), *flags]
+    with pytest.raises(SystemExit, match="measured no further"):
+        cli.main(argv)
+    assert seen == {"baseline": baseline, "source": "drafters", "compare_own": own, "own_drafters": ("trained",)}
 
 
 def test_the_capture_server_graphs_cover_every_regeneration_request_in_flight() -> None:
