@@ -14,10 +14,14 @@ prompt sets training never saw, one of code and one of chat. The report gives ea
 import argparse
 import json
 import math
+import multiprocessing
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +231,7 @@ def extract_through_the_stack(
                     stack.env["EAGLE3_INFERENCE_URL"],
                     read_regenerated(settings, report["regeneration"]["job_id"]),
                     model,
+                    client_processes=args.workers,
                     decode_concurrency=args.workers * args.regenerate_concurrency,
                     prefill_concurrency=args.workers * args.inference_concurrency,
                     max_new_tokens=args.regenerate_max_new_tokens,
@@ -309,6 +314,7 @@ def sglang_baselines(
     conversations: list[Conversation],
     model: Path,
     *,
+    client_processes: int,
     decode_concurrency: int,
     prefill_concurrency: int,
     max_new_tokens: int,
@@ -318,8 +324,9 @@ def sglang_baselines(
     greedy decoding of the regenerated turns' prompts at the regeneration's concurrency (a sample of
     DECODE_SAMPLE_WAVES times that many turns, longest prompts first, as the workers order them), and the prefill
     (one new token) of the extracted conversations at the extraction's concurrency (every one, up to
-    PREFILL_SAMPLE_WAVES times that concurrency: an even sample of them beyond). The stages' rates over these are
-    the stack's cost."""
+    PREFILL_SAMPLE_WAVES times that concurrency: an even sample of them beyond). The requests go out from as many
+    client processes as the job has workers, so that no one Python process is the bound the job does not have. The
+    stages' rates over these are the stack's cost."""
     chat = ChatTokenizer.from_pretrained(model)
     turns = [
         chat.generation_prompt(conv, conv.messages[:index])
@@ -328,30 +335,91 @@ def sglang_baselines(
         if message.role == "assistant"
     ]
     turns = sorted(turns[: DECODE_SAMPLE_WAVES * decode_concurrency], key=len, reverse=True)
-    # The client's own CPU seconds a wall second (all its threads): near 1 or above, one Python process sending every
-    # request may be what bounds the yardstick (the job spreads the same requests over its workers' processes).
-    client_cpu_started = time.process_time()
-    completions, decode_s = decode_all(url, turns, max_new_tokens=max_new_tokens, concurrency=decode_concurrency)
-    decode_client_cpu_s = time.process_time() - client_cpu_started
-    generated = sum(len(c.output_ids) for c in completions)
+    decode = send_from_processes(
+        url, turns, max_new_tokens=max_new_tokens, processes=client_processes, concurrency=decode_concurrency
+    )
     every = max(1, math.ceil(len(conversations) / (PREFILL_SAMPLE_WAVES * prefill_concurrency)))
     sequences = [
         chat.tokenize(conv, max_length=max_length, length_policy="truncate").input_ids
         for conv in conversations[::every]
     ]
-    _, prefill_s = decode_all(url, sequences, max_new_tokens=1, concurrency=prefill_concurrency)
+    prefill = send_from_processes(
+        url, sequences, max_new_tokens=1, processes=client_processes, concurrency=prefill_concurrency
+    )
     prompt_tokens = sum(len(sequence) for sequence in sequences)
     return {
+        "client_processes": decode.processes,
         "decode_turns": len(turns),
         "decode_concurrency": decode_concurrency,
-        "decode_generated_tokens": generated,
-        "decode_tokens_per_second": round(generated / decode_s, 1),
-        "decode_client_cpu_share": round(decode_client_cpu_s / decode_s, 2),
+        "decode_generated_tokens": decode.generated_tokens,
+        "decode_tokens_per_second": round(decode.generated_tokens / decode.wall_seconds, 1),
+        # The clients' own CPU seconds a wall second, all processes together: near their count, they may still be
+        # what bounds the yardstick.
+        "decode_client_cpu_share": round(decode.client_cpu_seconds / decode.wall_seconds, 2),
         "prefill_conversations": len(sequences),
         "prefill_concurrency": prefill_concurrency,
         "prefill_tokens": prompt_tokens,
-        "prefill_tokens_per_second": round(prompt_tokens / prefill_s, 1),
+        "prefill_tokens_per_second": round(prompt_tokens / prefill.wall_seconds, 1),
     }
+
+
+@dataclass(frozen=True)
+class ClientRun:
+    """Requests sent by several client processes together."""
+
+    processes: int
+    generated_tokens: int  # over every answer
+    wall_seconds: float  # from the moment every process was ready to the last answer
+    client_cpu_seconds: float  # the processes' own CPU time (all their threads) while they sent and waited
+
+
+CLIENT_READY_TIMEOUT_S = 300.0  # a client process that does not start in this time fails the yardstick, not the demo
+_ready: Any = None  # in a client process: the barrier every client passes before its first request
+
+
+def send_from_processes(
+    url: str, prompts: list[list[int]], *, max_new_tokens: int, processes: int, concurrency: int
+) -> ClientRun:
+    """Every prompt sent greedily by `processes` client processes at once, `concurrency` requests in flight over
+    them all; the prompts are dealt in turn, so an order (longest first, say) holds in each. Timed from a barrier all
+    of them pass after starting, so their start-up is not the server's time."""
+    processes = max(1, min(processes, len(prompts)))
+    each = max(1, math.ceil(concurrency / processes))
+    context = multiprocessing.get_context("spawn")  # the demo process has threads: a fork would copy their locks
+    ready = context.Barrier(processes)
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_keep_barrier, initargs=(ready,)) as pool:
+        parts = [pool.submit(_send_part, url, prompts[i::processes], max_new_tokens, each) for i in range(processes)]
+        try:
+            results = [part.result() for part in parts]
+        except threading.BrokenBarrierError as exc:
+            raise Eagle3Error(
+                f"a yardstick client process did not start within {CLIENT_READY_TIMEOUT_S:.0f} s"
+            ) from exc
+    return ClientRun(
+        processes=processes,
+        generated_tokens=sum(generated for _, _, generated, _ in results),
+        wall_seconds=max(ended for _, ended, _, _ in results) - min(started for started, _, _, _ in results),
+        client_cpu_seconds=sum(cpu for _, _, _, cpu in results),
+    )
+
+
+def _keep_barrier(barrier: Any) -> None:
+    global _ready
+    _ready = barrier
+
+
+def _send_part(
+    url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int
+) -> tuple[float, float, int, float]:
+    """In a client process: (start, end on the machine's monotonic clock, new tokens, this process's CPU seconds)."""
+    _ready.wait(timeout=CLIENT_READY_TIMEOUT_S)
+    cpu_started, started = time.process_time(), time.monotonic()
+    try:
+        completions, _ = decode_all(url, prompts, max_new_tokens=max_new_tokens, concurrency=concurrency)
+    except httpx.HTTPError as exc:  # httpx's errors do not cross back to the parent process (their request does not)
+        raise Eagle3Error(f"SGLang at {url}: {exc!r}") from None
+    ended = time.monotonic()
+    return started, ended, sum(len(c.output_ids) for c in completions), time.process_time() - cpu_started
 
 
 def prompt_files(args: argparse.Namespace, demo_dir: Path) -> tuple[Path, list[Path]]:

@@ -12,10 +12,12 @@ from eagle3.gpu_demo import (
     GPU_DEFAULTS,
     capture_server_argv,
     regeneration_shard_size,
+    send_from_processes,
     sglang_baselines,
     stage_summary,
 )
 from shared.data.datasets import Conversation, Message
+from shared.errors import Eagle3Error
 from tests.unit.test_engine_eval import sglang_parse
 
 
@@ -82,16 +84,25 @@ def test_the_yardstick_decodes_and_prefills_the_jobs_work_on_a_real_server_and_s
         reference_server_url,
         conversations,
         tiny_model_dir,
+        client_processes=2,
         decode_concurrency=3,
         prefill_concurrency=2,
         max_new_tokens=4,
         max_length=128,
     )
+    assert baseline["client_processes"] == 2
     assert baseline["decode_turns"] == 6 and baseline["prefill_conversations"] == 6
     assert 0 < baseline["decode_generated_tokens"] <= 6 * 4 and baseline["decode_tokens_per_second"] > 0
     assert baseline["prefill_tokens"] > 6 * 5 and baseline["prefill_tokens_per_second"] > 0
-    # This process's CPU time while its threads waited on the server: some, and not more than its two cores allow.
+    # The client processes' CPU time while their threads waited on the server: some, not more than two cores give.
     assert 0 < baseline["decode_client_cpu_share"] <= 2.5
+
+
+def test_a_yardstick_client_that_cannot_reach_the_server_fails_as_the_demo_expects() -> None:
+    # The demo keeps the job's report and says why the yardstick is missing on an Eagle3Error (httpx's own errors
+    # cannot come back from a client process).
+    with pytest.raises(Eagle3Error, match=r"SGLang at http://127\.0\.0\.1:9"):
+        send_from_processes("http://127.0.0.1:9", [[1, 2, 3]] * 4, max_new_tokens=1, processes=2, concurrency=2)
 
 
 def test_a_dataset_without_held_out_prompts_is_refused() -> None:
