@@ -52,7 +52,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eagle3.engine_eval import SpeculativeConfig, generate, stock_launch, timed_requests
+from eagle3.engine_eval import SpeculativeConfig, decoding_step_ms, generate, stock_launch, timed_requests
 from eagle3.jobs import exit_on_sigterm
 from eagle3.local_stack import free_port
 from eagle3.server_process import ServerProcessError, server_processes
@@ -329,8 +329,7 @@ def unprofiled_step_ms(url: str, prompts: list[list[int]], *, max_new_tokens: in
     decoded at batch 1, a one-token request's time taken off each, over their steps."""
     first_ms, _ = timed_requests(url, prompts, 1, ignore_eos=ignore_eos)
     full_ms, answers = timed_requests(url, prompts, max_new_tokens, ignore_eos=ignore_eos)
-    decoding_ms, steps = sum(full_ms) - sum(first_ms), sum(a.decoding_steps for a in answers)
-    return decoding_ms / steps if steps > 0 and decoding_ms > 0 else None
+    return decoding_step_ms(sum(full_ms), sum(first_ms), sum(a.decoding_steps for a in answers))
 
 
 def profile_servers(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -424,12 +424,18 @@ class EngineResult:
 def _decode_ms(
     new_tokens: int, tokens_per_s: float, prompts: int, first_token_ms: float | None, steps: int
 ) -> float | None:
-    """Batch-1 milliseconds per decoding step: the run's time (its tokens over its rate) less a first-token latency
-    per prompt, over its steps; None where a number is missing or the difference is not a time."""
-    if first_token_ms is None or not tokens_per_s or steps <= 0:
+    """`decoding_step_ms` of a run known by its rate: its time is its tokens over that rate, and each prompt's first
+    token took `first_token_ms`; None where a number is missing."""
+    if first_token_ms is None or not tokens_per_s:
         return None
-    decoding_ms = 1000 * new_tokens / tokens_per_s - prompts * first_token_ms
-    return decoding_ms / steps if decoding_ms > 0 else None
+    return decoding_step_ms(1000 * new_tokens / tokens_per_s, prompts * first_token_ms, steps)
+
+
+def decoding_step_ms(run_ms: float, first_tokens_ms: float, steps: int) -> float | None:
+    """Batch-1 milliseconds per decoding step: a run's time less its requests' first tokens (their prefills), over
+    its steps; None where there are no steps or the difference is not a time."""
+    decoding_ms = run_ms - first_tokens_ms
+    return decoding_ms / steps if steps > 0 and decoding_ms > 0 else None
 
 
 @dataclass

@@ -282,7 +282,8 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     # Where a batch-1 step's time goes (bench/sglang_step_profile): plain SGLang and EAGLE-3 at a chain of 7 and of 3
     # drafts, each under SGLang's own profiler. step-profile: SmolLM2 with the untrained drafter (the `untrained`
     # step; a step costs what a trained one's does; PROFILE_DRAFTER serves another), as users serve (PROFILE_VARIANTS:
-    # others, e.g. --disable-overlap-schedule); step-profile-8b: a target and a drafter of random weights at Llama-3.1-8B dimensions, no model files.
+    # others, e.g. --disable-overlap-schedule); step-profile-8b: a target and a drafter of random weights at
+    # Llama-3.1-8B dimensions, no model files.
     dir=/tmp/$step
     if [ $step = step-profile ]; then
       variants=(${PROFILE_VARIANTS-""})
