@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from bench.memory_peak import format_breakdown, peak_breakdown, recorded_allocations
 from bench.trainer_throughput import SHAPES, Shape, random_models, trainer_step
 from services.trainer.config import TrainConfig
 from services.trainer.drafter import Eagle3Drafter, TargetHead
@@ -208,8 +209,12 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(step: Callable[[int], None], *, device: torch.device, warmup: int, steps: int) -> dict:
-    """Median step time and peak allocated memory of `step(i)` over the timed steps; an OOM is returned, not raised."""
+def timed_steps(
+    step: Callable[[int], None], *, device: torch.device, warmup: int, steps: int, origins: tuple[str, ...] = ()
+) -> dict:
+    """Median step time and peak allocated memory of `step(i)` over the timed steps; an OOM is returned, not raised.
+    On a GPU, one more step with its allocations recorded: what is alive at its peak, by the line in `origins`'
+    code that allocated it (bench/memory_peak.py)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -224,9 +229,32 @@ def timed_steps(step: Callable[[int], None], *, device: torch.device, warmup: in
                 times.append(time.perf_counter() - started)
     except torch.OutOfMemoryError as error:
         return {"error": "out of memory", "detail": str(error).splitlines()[0]}
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return {"step_s": statistics.median(times), "peak_gib": peak, "step_ms_all": [round(t * 1e3, 1) for t in times]}
+    if device.type != "cuda":
+        return {"step_s": statistics.median(times), "peak_gib": None, "step_ms_all": [round(t * 1e3, 1) for t in times]}
+    # What stays allocated between steps (weights, gradients, optimizer state, the frozen embedding and head) against
+    # the peak: the difference is what one step holds for itself (activations, logits, temporaries).
+    resident = torch.cuda.memory_allocated(device) / 2**30
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    result = {
+        "step_s": statistics.median(times),
+        "peak_gib": peak,
+        "resident_gib": resident,
+        "step_transient_gib": peak - resident,
+        "step_ms_all": [round(t * 1e3, 1) for t in times],
+    }
+    if origins:
+        with recorded_allocations(device) as recording:
+            step(warmup + steps)
+        result["memory_at_peak"] = {
+            "resident_bytes": recording.resident_bytes,
+            **peak_breakdown(recording.trace, origins=origins),
+        }
+    return result
 
+
+# Where a step's memory at its peak is attributed (bench/memory_peak.py): the first frame in this code.
+OURS_ORIGINS = ("services/trainer/",)
+SPECFORGE_ORIGINS = ("specforge/",)
 
 # Ours besides the defaults, measured on request (--ours-variants): name -> (the opt-in compiled backbone, on a compiled
 # copy of the drafter so that the later rows stay eager; `eagle3 train --recompute-mlp`; `--recompute-logits`).
@@ -252,12 +280,25 @@ def ours_as(models: Models, variant: str) -> Iterator[Eagle3Drafter]:
 
 
 def measure_ours(
-    models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, variant: str = "default"
+    models: Models,
+    batches: list[Batch],
+    *,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    variant: str = "default",
+    breakdown: bool = False,
 ) -> dict:
     with ours_as(models, variant) as drafter:
-        step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps)
+        step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps + 1)
         on_device = [b.to(device) for b in batches]
-        result = timed_steps(lambda i: step(on_device[i % len(on_device)]), device=device, warmup=warmup, steps=steps)
+        result = timed_steps(
+            lambda i: step(on_device[i % len(on_device)]),
+            device=device,
+            warmup=warmup,
+            steps=steps,
+            origins=OURS_ORIGINS if breakdown else (),
+        )
     # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
     models.drafter.cpu()
     models.target_head.cpu()
@@ -296,21 +337,29 @@ def compare_gradients(expected: dict[str, torch.Tensor], got: dict[str, torch.Te
 
 
 def measure_specforge(
-    models: Models, batches: list[Batch], *, device: torch.device, warmup: int, steps: int, attention_backend: str
+    models: Models,
+    batches: list[Batch],
+    *,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    attention_backend: str,
+    breakdown: bool = False,
 ) -> dict:
     from specforge.optimizer import BF16Optimizer
 
     # bf16 weights with fp32 masters on GPU, as its trainer runs; fp32 on CPU, where bf16 matmuls crawl.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     specforge = SpecForgeStep(models, device=device, dtype=dtype, attention_backend=attention_backend)
-    optimizer = BF16Optimizer(specforge.draft_model, lr=1e-4, max_grad_norm=0.5, total_steps=warmup + steps)
+    optimizer = BF16Optimizer(specforge.draft_model, lr=1e-4, max_grad_norm=0.5, total_steps=warmup + steps + 1)
 
     def step(i: int) -> None:
         out = specforge.forward(batches[i % len(batches)], device)
         out.loss.backward()
         optimizer.step()
 
-    return timed_steps(step, device=device, warmup=warmup, steps=steps)
+    origins = SPECFORGE_ORIGINS if breakdown else ()
+    return timed_steps(step, device=device, warmup=warmup, steps=steps, origins=origins)
 
 
 def print_agreement(agreement: dict) -> None:
@@ -343,8 +392,11 @@ def against(theirs: dict, ours: dict) -> dict:
 def row(name: str, tokens: int, result: dict) -> str:
     if "error" in result:
         return f"{name:20s} {result['error']:>12s}"
-    peak = f"{result['peak_gib']:9.2f}" if result["peak_gib"] is not None else f"{'-':>9s}"
-    return f"{name:20s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {peak}"
+    if result["peak_gib"] is None:
+        memory = f"{'-':>9s} {'-':>11s}"
+    else:
+        memory = f"{result['peak_gib']:9.2f} {result['resident_gib']:11.2f}"
+    return f"{name:20s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {memory}"
 
 
 def main() -> None:
@@ -361,6 +413,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--agreement-backends", nargs="+", default=list(AGREEMENT_BACKENDS), help="SpecForge attentions to check"
+    )
+    parser.add_argument(
+        "--memory-breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, one more step per side and shape with its allocations recorded: what is alive at the peak",
     )
     parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here (after every shape)")
     args = parser.parse_args()
@@ -407,11 +465,12 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print()
 
-    print(f"{'shape':8s} {'side':20s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s}")
+    print(f"{'shape':8s} {'side':20s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s} {'resident GiB':>11s}")
     for text in args.shapes:
         B, T = parse_shape(text)
         batches = [random_batch(shape, B, T, seed) for seed in (2, 3)]
-        ours = measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps)
+        breakdown = args.memory_breakdown and device.type == "cuda"
+        ours = measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps, breakdown=breakdown)
         variants = {
             name: measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps, variant=name)
             for name in args.ours_variants
@@ -423,6 +482,7 @@ def main() -> None:
             warmup=args.warmup,
             steps=args.steps,
             attention_backend=args.specforge_attention,
+            breakdown=breakdown,
         )
         entry: dict[str, Any] = {"shape": text, "ours": ours, "specforge": theirs, **against(theirs, ours)}
         if variants:
@@ -438,6 +498,10 @@ def main() -> None:
         if "speedup" in entry:
             memory = f", peak memory {entry['memory_ratio']:.2f}x" if "memory_ratio" in entry else ""
             print(f"{'':8s} ours {entry['speedup']:.2f}x SpecForge's tokens/s{memory}", flush=True)
+        for side, result in (("ours", ours), ("SpecForge", theirs)):
+            if "memory_at_peak" in result:
+                at_peak = result["memory_at_peak"]
+                print(format_breakdown(f"{text} {side}", at_peak["resident_bytes"], at_peak), flush=True)
 
 
 def _version(package: str) -> str | None:
