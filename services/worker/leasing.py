@@ -19,8 +19,8 @@ A worker killed whole stops renewing, so its shards run again `shard_lease_s` pl
 after its last renewal: 75 s by default.
 
 The reaper also runs the recovery checks of shared/lifecycle/recovery.py: Redis that lost its state (its jobs are
-registered and published again from storage), and a job whose producer died while enqueueing its shards (the rest is
-enqueued).
+registered and published again from storage), a job whose producer died while enqueueing its shards (the rest is
+enqueued), and a job left with a shard whose message the broker lost in flight (it is sent again).
 """
 
 import contextlib
@@ -45,6 +45,10 @@ from shared.storage.objects import Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
+# A job whose shards no worker leases and that has committed nothing for this many lease periods is looked at for
+# shards the broker lost in flight (shared/lifecycle/recovery.py): long enough that a retry waiting out its countdown
+# is in the broker by then, short enough that such a job ends within minutes.
+LOST_SHARD_QUIET_LEASES = 2
 _REDIS_TIMEOUT_S = 2.0  # the keeper runs on the consumer's event loop: never block it for long
 _keeper: "LeaseKeeper | None" = None
 
@@ -266,6 +270,9 @@ class LeaseKeeper(bootsteps.StartStopStep):
             self.redis_state.check(self.storage, self.client, enqueue=self.sender.send)
             recovery.take_over_stalled_publishing(
                 self.storage, self.client, enqueue=self.sender.send, stalled_after_s=self.lease_s
+            )
+            recovery.resend_lost_shards(
+                self.storage, self.client, enqueue=self.sender.send, quiet_for_s=LOST_SHARD_QUIET_LEASES * self.lease_s
             )
         except Exception as exc:  # never let the reaper take the consumer down; the next interval tries again
             logger.warning("lease reaper: %s: %s", type(exc).__name__, exc)

@@ -337,14 +337,20 @@ def forget_dead_letter(
             pipe.execute()
 
 
+def newest_event_ts(client: redis.Redis, job_id: str) -> float | None:
+    """When the job's newest event (a commit, a dead letter) happened, from its stream entry's id; None if none."""
+    newest = stream_entries(client.xrevrange(events_key(job_id), count=1))
+    return int(newest[0][0].split(b"-")[0]) / 1000 if newest else None
+
+
 def _recent_rate(
     client: redis.Redis, job_id: str, *, now: float, window_s: float, started: float
 ) -> tuple[float, float]:
     """Tokens/s over the last `window_s`, and the time of the newest event."""
     since_ms = int((now - window_s) * 1000)
     entries = stream_entries(client.xrange(events_key(job_id), min=f"{since_ms}-0", max="+"))
-    newest = stream_entries(client.xrevrange(events_key(job_id), count=1))
-    last_event = int(newest[0][0].split(b"-")[0]) / 1000 if newest else started
+    newest = newest_event_ts(client, job_id)
+    last_event = newest if newest is not None else started
     tokens = sum(int(fields[b"tokens"]) for _, fields in entries if fields[b"event"] == b"committed")
     span = min(window_s, max(now - started, 1e-3))
     return tokens / span, last_event

@@ -1,13 +1,22 @@
 """The shard queue: its name, the task names and ids, and the send-only client the producer enqueues with."""
 
+import json
+import logging
 import time
 
+import redis
 from celery import Celery
+
+logger = logging.getLogger(__name__)
 
 # Every kind's shards travel on one queue, so that every worker takes either and KEDA scales on one list.
 SHARD_QUEUE = "eagle3.extract"
 # When a shard message was sent: the queue's oldest-message age (shared/ops/cluster.py).
 SENT_TS_HEADER = "eagle3_sent_ts"
+# kombu's Redis transport keeps one list per priority step (the plain name holds priority 0), and one hash of the
+# messages delivered to a worker and not yet acknowledged (every queue's), each value [message, exchange, routing key].
+PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+UNACKED = "unacked"
 
 
 def task_name(kind: str) -> str:
@@ -36,3 +45,21 @@ class ShardSender:
             task_id=task_id(kind, job_id, shard_index),
             headers={SENT_TS_HEADER: time.time()},
         )
+
+
+def messages_in_broker(client: redis.Redis, queue: str = SHARD_QUEUE) -> set[str]:
+    """The task ids of every shard message the broker holds: waiting in the queue or delivered and unacknowledged
+    (read in one transaction, so that a message moving from one to the other is seen in one of them)."""
+    with client.pipeline(transaction=True) as pipe:
+        for suffix in PRIORITY_SUFFIXES:
+            pipe.lrange(queue + suffix, 0, -1)
+        pipe.hvals(UNACKED)
+        *queued, unacked = pipe.execute()
+    ids: set[str] = set()
+    for raw, delivered in [(m, False) for replies in queued for m in replies] + [(m, True) for m in unacked]:
+        try:
+            message = json.loads(raw)
+            ids.add(str((message[0] if delivered else message)["headers"]["id"]))
+        except (ValueError, TypeError, IndexError, KeyError):
+            logger.warning("a message in the broker is not kombu JSON with a task id: %.100r", raw)
+    return ids

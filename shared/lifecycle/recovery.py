@@ -10,6 +10,12 @@ enqueued. A producer that died (or lost Redis) between job.json and the job's re
 job hash: the reaper registers the job, its progress recounted from storage, and publishes it whole. A shard
 sent twice (the producer died between an enqueue and its checkpoint) runs once: commits are create-only.
 
+A message lost in flight. kombu's Redis transport pops a message from the queue and only then records it as
+delivered; a Redis killed between the two (or a connection cut before the pop's reply arrived) loses it, with no
+lease taken yet: its shard would never run, and its job would stay running for ever. A job that has committed
+nothing for a while and whose shards no worker leases is looked at: a shard neither finished in storage nor in the
+broker (queued or delivered) is sent again (`resend_lost_shards`).
+
 Redis lost. Every published job has an entry in storage's job index (`_jobs/{job_id}`), and Redis holds a marker key
 (`eagle3:state-marker`, a random value) that every worker reads when it starts. A reaper that finds the marker gone
 or changed knows Redis lost its state since (restarted without persistence, flushed). Under a lock, one worker
@@ -27,11 +33,12 @@ from collections.abc import Callable
 import redis
 
 from shared.errors import JobNotFound
-from shared.lifecycle import progress
+from shared.lifecycle import leases, progress
 from shared.lifecycle.kinds import kind_of
+from shared.lifecycle.queue import messages_in_broker, task_id
 from shared.lifecycle.schemas import JobRecord
 from shared.lifecycle.shards import load_job
-from shared.redis_replies import text
+from shared.redis_replies import members, text
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
 
@@ -45,6 +52,10 @@ RECOVERED_EPOCH = "eagle3:recovered-marker"  # the marker value whose jobs have 
 RECOVERY_LOCK = "eagle3:recovering"
 RECOVERY_LOCK_S = 600  # a recovering worker that dies leaves the lock for this long at most
 ENQUEUED_FIELD = "shards_enqueued"
+# Looking for shards the broker lost: a key per job, and one for the fleet's look, each expiring.
+LOST_SHARDS_CHECK_PREFIX = "eagle3:lost-shards-checked:"
+LOST_SHARDS_SWEEP = "eagle3:lost-shards-sweep"
+_QUIET_FIELDS = ("kind", "shards_total", "shards_committed", "shards_dead", "cancelled", "deleting", "created_ts")
 
 # ARGV: job id, shards enqueued so far. The score is the Redis server's clock, so that worker clocks may disagree.
 # A job Redis lost meanwhile is not half-recreated: the Redis-loss recovery registers and publishes it whole.
@@ -170,6 +181,75 @@ def take_over_stalled_publishing(
         )
         taken.append(job_id)
     return taken
+
+
+def resend_lost_shards(
+    storage: Storage, client: redis.Redis, *, enqueue: Enqueue, quiet_for_s: float
+) -> list[tuple[str, int]]:
+    """Send again each shard the broker lost: of every unfinished job that has committed nothing for `quiet_for_s`
+    and has no leased shard, the shards that are neither committed nor dead-lettered in storage and whose message
+    is neither queued nor delivered. A job is looked at once per `quiet_for_s` by one reaper. Returns the (job id,
+    shard index) sent again."""
+    quiet = _quiet_jobs(client, quiet_for_s)
+    if not quiet:
+        return []
+    in_broker = messages_in_broker(client)  # read before the job's progress: a shard that commits since is counted
+    resent = []
+    for job_id, kind, shards_total in quiet:
+        finished = progress.committed_shards(client, job_id) | progress.dead_shards(client, job_id)
+        missing = [
+            k
+            for k in range(shards_total)
+            if k not in finished
+            and task_id(kind, job_id, k) not in in_broker
+            and not leases.shard_finished(storage, job_id, k)
+        ]
+        if not missing or not storage.exists(layout.job_json(job_id)):  # job.json goes last of a deleted job's objects
+            continue
+        for shard_index in missing:
+            enqueue(kind, job_id, shard_index)
+            leases.count_rerun(client, job_id)
+            resent.append((job_id, shard_index))
+        logger.warning(
+            "job %s: shard(s) %s neither finished nor in the broker after %.0fs without a commit or a leased shard "
+            "(a message lost in flight): sent again",
+            job_id,
+            ",".join(map(str, missing)),
+            quiet_for_s,
+        )
+    return resent
+
+
+def _quiet_jobs(client: redis.Redis, quiet_for_s: float) -> list[tuple[str, str, int]]:
+    """(job id, kind, shards total) of the unfinished jobs, not being published, cancelled or deleted, that have
+    committed nothing for `quiet_for_s`, whose shards no lease covers, and that no reaper looked at in that time.
+    One reaper of the fleet looks a quarter period (the others find the look taken)."""
+    if not client.set(LOST_SHARDS_SWEEP, 1, nx=True, ex=max(1, round(quiet_for_s / 4))):
+        return []
+    leased = {lease.job_id for lease in leases.held(client)}
+    publishing = {text(m) for m in members(client.zrange(PUBLISHING, 0, -1))}
+    candidates = [j for j in progress.all_job_ids(client) if j not in leased and j not in publishing]
+    with client.pipeline(transaction=False) as pipe:
+        for job_id in candidates:
+            pipe.hmget(progress.job_key(job_id), list(_QUIET_FIELDS))
+        replies = pipe.execute()
+    now = time.time()
+    quiet = []
+    for job_id, reply in zip(candidates, replies, strict=True):
+        fields = dict(zip(_QUIET_FIELDS, (text(f) if f is not None else None for f in reply), strict=True))
+        kind, total = fields["kind"], fields["shards_total"]
+        if kind is None or total is None or int(fields["cancelled"] or 0) or int(fields["deleting"] or 0):
+            continue
+        if int(fields["shards_committed"] or 0) + int(fields["shards_dead"] or 0) >= int(total):
+            continue  # every shard finished (a finalizing kind's last step is the kind's own)
+        newest = progress.newest_event_ts(client, job_id)
+        last = newest if newest is not None else float(fields["created_ts"] or now)
+        if now - last < quiet_for_s:
+            continue
+        # One look a period at a job: the key expires by itself.
+        if client.set(f"{LOST_SHARDS_CHECK_PREFIX}{job_id}", 1, nx=True, ex=max(1, round(quiet_for_s))):
+            quiet.append((job_id, kind, int(total)))
+    return quiet
 
 
 class RedisState:

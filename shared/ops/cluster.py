@@ -15,16 +15,13 @@ import redis
 from pydantic import BaseModel
 
 from shared.lifecycle.progress import job_key
-from shared.lifecycle.queue import SENT_TS_HEADER, SHARD_QUEUE
+from shared.lifecycle.queue import PRIORITY_SUFFIXES, SENT_TS_HEADER, SHARD_QUEUE, UNACKED
 from shared.redis_replies import scored_members, text, text_hash
 
 logger = logging.getLogger(__name__)
 
 WORKERS_INDEX = "eagle3:workers"  # sorted set: worker name -> time of its last heartbeat
 WORKER_RETENTION_S = 24 * 3600  # a worker silent for longer is forgotten
-# kombu's Redis transport keeps one list per priority step; the plain name holds priority 0.
-_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
-_UNACKED = "unacked"  # kombu's hash of delivered, not yet acknowledged messages (every queue)
 
 
 def worker_key(name: str) -> str:
@@ -119,13 +116,13 @@ def list_workers(client: redis.Redis, *, stale_after_s: float, now: float | None
 
 def queue_depth(client: redis.Redis, queue: str = SHARD_QUEUE, *, now: float | None = None) -> QueueDepth:
     now = time.time() if now is None else now
-    names = [queue + suffix for suffix in _PRIORITY_SUFFIXES]
+    names = [queue + suffix for suffix in PRIORITY_SUFFIXES]
     with client.pipeline() as pipe:
         for name in names:
             pipe.llen(name)
         for name in names:
             pipe.lindex(name, -1)  # kombu pushes on the left and pops on the right: the tail waited longest
-        pipe.hlen(_UNACKED)
+        pipe.hlen(UNACKED)
         replies = pipe.execute()
     depths, tails, in_flight = replies[: len(names)], replies[len(names) : 2 * len(names)], replies[-1]
     sent = [ts for ts in (_sent_ts(client, tail) for tail in tails if tail is not None) if ts is not None]

@@ -1,13 +1,16 @@
 """Recovery against a real Redis and real file storage: a producer that died while enqueueing, and Redis that lost
 its state. The same over real processes (a killed producer, a Redis restarted empty) is in the fault suite."""
 
+import json
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
-from shared.lifecycle import jobs, progress, recovery
+from shared.lifecycle import jobs, leases, progress, recovery
 from shared.lifecycle.kinds import EXTRACT
+from shared.lifecycle.queue import SHARD_QUEUE, UNACKED, ShardSender, task_id
 from shared.lifecycle.schemas import DeadLetter, JobRecord
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
@@ -180,3 +183,66 @@ def test_a_resume_that_died_half_way_is_finished_by_a_reaper_and_loses_no_dead_l
         storage, client, enqueue=lambda kind, job_id, k: rest.append(k), stalled_after_s=0
     )
     assert taken == ["job-a"] and rest == [2, 4]  # shard 3 waits, visibly dead-lettered, for the next resume
+
+
+def test_a_shard_whose_message_the_broker_lost_is_sent_again_once_its_job_is_quiet(
+    client: redis.Redis, storage: Storage, redis_url: str
+) -> None:
+    """Of a job's six shards: one committed, one dead-lettered, one waiting in the queue, one delivered to a worker
+    (kombu's unacknowledged hash), one committed in storage but not yet counted (its worker died after the commit),
+    and one whose message is nowhere (popped by a worker whose connection died with Redis before the reply came).
+    Once the job has been quiet for the period, only that one is sent again, and once a period."""
+    job = make_job(shards=6)
+    published(storage, client, job)
+    sender = ShardSender(redis_url)
+    for shard_index in (2, 3):
+        sender.send("extract", "job-a", shard_index)
+    # Shard 2 delivered: kombu moves a popped message into its unacked hash as [message, exchange, routing key].
+    delivered = client.rpop(SHARD_QUEUE)
+    assert delivered is not None and json.loads(delivered)["headers"]["id"] == task_id("extract", "job-a", 2)
+    client.hset(UNACKED, "tag-2", json.dumps([json.loads(delivered), "", SHARD_QUEUE]))
+    manifest = make_manifest(0)
+    storage.put(layout.manifest("job-a", 0), manifest.model_dump_json().encode())
+    progress.record_commit(client, manifest)
+    letter = DeadLetter(job_id="job-a", shard_index=1, error_type="E", reason="r", retries=5, worker="w")
+    storage.put(layout.dead_letter("job-a", 1), letter.model_dump_json().encode())
+    storage.put(layout.manifest("job-a", 4), make_manifest(4).model_dump_json().encode())
+    sent: list[tuple[str, str, int]] = []
+
+    def enqueue(kind: str, job_id: str, shard_index: int) -> None:
+        sent.append((kind, job_id, shard_index))
+
+    def next_look(quiet_for_s: float) -> list[tuple[str, int]]:
+        """A reaper's look once the fleet's last look has expired (a quarter period)."""
+        client.delete(recovery.LOST_SHARDS_SWEEP)
+        return recovery.resend_lost_shards(storage, client, enqueue=enqueue, quiet_for_s=quiet_for_s)
+
+    # A commit a moment ago: the job is not quiet yet.
+    assert next_look(60) == []
+    time.sleep(0.05)
+    # The fleet looked a moment ago: another reaper does not look again before a quarter period.
+    assert recovery.resend_lost_shards(storage, client, enqueue=enqueue, quiet_for_s=0.01) == []
+    assert next_look(0.01) == [("job-a", 5)]
+    assert sent == [("extract", "job-a", 5)]
+    assert progress.job_progress(client, "job-a").shards_rerun == 1
+    # The job is not looked at again in the same period: the shard's new message may still be on its way.
+    assert next_look(0.01) == []
+
+
+@pytest.mark.parametrize("why", ["leased", "cancelled", "publishing"])
+def test_a_job_being_worked_on_cancelled_or_published_is_not_looked_at(
+    client: redis.Redis, storage: Storage, why: str
+) -> None:
+    """A job with a leased shard is being worked on (its other messages may be in a worker's memory); a cancelled
+    job's shards are not to run; a job still being published has its shards enqueued by its publisher."""
+    job = make_job(shards=2)
+    published(storage, client, job)
+    if why == "leased":
+        lease = leases.Lease("eagle3.extract_shard", "t", "job-a", 0, holder="w", delivery_tag="d")
+        leases.acquire(client, lease, 60)
+    elif why == "cancelled":
+        progress.cancel(client, "job-a")
+    else:
+        recovery.begin_publishing(client, "job-a")
+    time.sleep(0.05)
+    assert recovery.resend_lost_shards(storage, client, enqueue=lambda *a: pytest.fail(str(a)), quiet_for_s=0.01) == []
