@@ -92,10 +92,10 @@ class TrainConfig(BaseModel):
         "activations kept per token for about a sixth more compute; for long sequences (a run on one GPU switches "
         "it on by itself when a micro-batch runs out of memory)",
     )
-    compile_backbone: bool = Field(
-        default=False,
+    compile_backbone: bool | None = Field(
+        default=None,
         description="torch.compile the drafter's per-step dense work (norms, projections, MLP); the first steps pay "
-        "for the compilation",
+        "for the compilation (default: on a CUDA GPU, off on the CPU)",
     )
     recompute_logits: bool = Field(
         default=False,
@@ -103,6 +103,13 @@ class TrainConfig(BaseModel):
         "draft token per row) for one more lm_head matmul a step; for long sequences (a run on one GPU switches it "
         "on by itself, after --recompute-mlp, when a micro-batch runs out of memory)",
     )
+
+
+def compiles_backbone(config: TrainConfig, device_type: str) -> bool:
+    """Whether the run compiles the drafter's backbone: as set, else on CUDA, where the compiled step measured
+    1.17-1.26x the eager one's tokens/s at Llama-3.1-8B dims (docs/benchmarks.md), and not on the CPU, where compiling
+    would take more of a short run than it gives back."""
+    return config.compile_backbone if config.compile_backbone is not None else device_type == "cuda"
 
 
 # What a resumed run may change; everything else comes from the checkpoint, so the next steps are the same.

@@ -37,7 +37,7 @@ from services.trainer.checkpoint import (
     save_checkpoint,
     trainable_state,
 )
-from services.trainer.config import TrainConfig, resumed_config
+from services.trainer.config import TrainConfig, compiles_backbone, resumed_config
 from services.trainer.curves import curves_html
 from services.trainer.data import (
     NOT_READY,
@@ -196,7 +196,7 @@ def build_trainer(
     )
     drafter.config.recompute_mlp, drafter.config.recompute_logits = config.recompute_mlp, config.recompute_logits
     place_models(drafter, target_head, runtime.device)
-    if config.compile_backbone:
+    if compiles_backbone(config, runtime.device.type):
         drafter.compile_backbone()
     objective: nn.Module = TTTObjective(
         drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from services.trainer import cli as trainer_cli
-from services.trainer.config import RESUME_OVERRIDES, TrainConfig, config_from_args, resumed_config
+from services.trainer.config import (
+    RESUME_OVERRIDES,
+    TrainConfig,
+    compiles_backbone,
+    config_from_args,
+    resumed_config,
+)
 from services.trainer.step import TrainClock, build_scheduler
 from shared.errors import ConfigurationError
 
@@ -106,3 +112,12 @@ def test_a_run_bounded_by_time_decays_its_learning_rate_to_the_minimum_when_its_
         job_id="job", lr=1e-3, min_lr_ratio=0.1, warmup_ratio=0.01, max_seconds=100.0, max_steps=1000
     )
     assert _scheduler_lrs(by_steps, TrainClock(), seconds)[-1] > 9e-4
+
+
+@pytest.mark.parametrize(
+    ("flags", "on_cuda", "on_cpu"),
+    [([], True, False), (["--compile-backbone"], True, True), (["--no-compile-backbone"], False, False)],
+)
+def test_the_backbone_is_compiled_on_cuda_unless_told_otherwise(flags: list[str], on_cuda: bool, on_cpu: bool) -> None:
+    config = config_from_args(train_parser().parse_args(["train", "--job", "j", *flags]), job_id="j")
+    assert (compiles_backbone(config, "cuda"), compiles_backbone(config, "cpu")) == (on_cuda, on_cpu)
