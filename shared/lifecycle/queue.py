@@ -17,6 +17,7 @@ SENT_TS_HEADER = "eagle3_sent_ts"
 # messages delivered to a worker and not yet acknowledged (every queue's), each value [message, exchange, routing key].
 PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 UNACKED = "unacked"
+SCAN_LIMIT = 20_000  # messages read at most when looking for lost ones (about 25 MB, a second's parsing)
 
 
 def task_name(kind: str) -> str:
@@ -47,12 +48,20 @@ class ShardSender:
         )
 
 
-def messages_in_broker(client: redis.Redis, queue: str = SHARD_QUEUE) -> set[str]:
+def messages_in_broker(client: redis.Redis, queue: str = SHARD_QUEUE, *, limit: int = SCAN_LIMIT) -> set[str] | None:
     """The task ids of every shard message the broker holds: waiting in the queue or delivered and unacknowledged
-    (read in one transaction, so that a message moving from one to the other is seen in one of them)."""
+    (read in one transaction, so that a message moving from one to the other is seen in one of them). None when it
+    holds more than `limit`: reading them all would hold up the caller (a worker's event loop) for seconds."""
+    names = [queue + suffix for suffix in PRIORITY_SUFFIXES]
+    with client.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.llen(name)
+        pipe.hlen(UNACKED)
+        if sum(pipe.execute()) > limit:
+            return None
     with client.pipeline(transaction=True) as pipe:
-        for suffix in PRIORITY_SUFFIXES:
-            pipe.lrange(queue + suffix, 0, -1)
+        for name in names:
+            pipe.lrange(name, 0, -1)
         pipe.hvals(UNACKED)
         *queued, unacked = pipe.execute()
     ids: set[str] = set()

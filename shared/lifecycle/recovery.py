@@ -194,6 +194,11 @@ def resend_lost_shards(
     if not quiet:
         return []
     in_broker = messages_in_broker(client)  # read before the job's progress: a shard that commits since is counted
+    if in_broker is None:  # a long queue: its jobs are looked at once it has drained
+        logger.info("%d quiet job(s) not looked at for lost shards: the queue is long", len(quiet))
+        for job_id, _, _ in quiet:
+            client.delete(f"{LOST_SHARDS_CHECK_PREFIX}{job_id}")
+        return []
     resent = []
     for job_id, kind, shards_total in quiet:
         finished = progress.committed_shards(client, job_id) | progress.dead_shards(client, job_id)

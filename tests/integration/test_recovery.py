@@ -10,7 +10,7 @@ import redis
 
 from shared.lifecycle import jobs, leases, progress, recovery
 from shared.lifecycle.kinds import EXTRACT
-from shared.lifecycle.queue import SHARD_QUEUE, UNACKED, ShardSender, task_id
+from shared.lifecycle.queue import SHARD_QUEUE, UNACKED, ShardSender, messages_in_broker, task_id
 from shared.lifecycle.schemas import DeadLetter, JobRecord
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
@@ -246,3 +246,29 @@ def test_a_job_being_worked_on_cancelled_or_published_is_not_looked_at(
         recovery.begin_publishing(client, "job-a")
     time.sleep(0.05)
     assert recovery.resend_lost_shards(storage, client, enqueue=lambda *a: pytest.fail(str(a)), quiet_for_s=0.01) == []
+
+
+def test_a_long_queue_is_not_read_for_lost_shards(
+    client: redis.Redis, storage: Storage, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a long queue would hold a worker's event loop for seconds: its jobs wait until it has drained."""
+    job = make_job(shards=3)
+    published(storage, client, job)
+    sender = ShardSender(redis_url)
+    for shard_index in range(2):
+        sender.send("extract", "job-a", shard_index)
+    assert messages_in_broker(client, limit=1) is None
+    assert messages_in_broker(client, limit=2) == {task_id("extract", "job-a", k) for k in range(2)}
+    time.sleep(0.05)
+    with monkeypatch.context() as patched:
+        patched.setattr(recovery, "messages_in_broker", lambda c: messages_in_broker(c, limit=1))
+        assert (
+            recovery.resend_lost_shards(storage, client, enqueue=lambda *a: pytest.fail(str(a)), quiet_for_s=0.01) == []
+        )
+    # Not marked as looked at: the next look, once the queue is short enough, finds shard 2 lost.
+    client.delete(recovery.LOST_SHARDS_SWEEP)
+    sent: list[int] = []
+    assert recovery.resend_lost_shards(storage, client, enqueue=lambda k, j, i: sent.append(i), quiet_for_s=0.01) == [
+        ("job-a", 2)
+    ]
+    assert sent == [2]
