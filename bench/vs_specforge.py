@@ -229,19 +229,18 @@ def timed_steps(
                 times.append(time.perf_counter() - started)
     except torch.OutOfMemoryError as error:
         return {"error": "out of memory", "detail": str(error).splitlines()[0]}
+    result: dict[str, Any] = {
+        "step_s": statistics.median(times),
+        "peak_gib": None,
+        "step_ms_all": [round(t * 1e3, 1) for t in times],
+    }
     if device.type != "cuda":
-        return {"step_s": statistics.median(times), "peak_gib": None, "step_ms_all": [round(t * 1e3, 1) for t in times]}
+        return result
     # What stays allocated between steps (weights, gradients, optimizer state, the frozen embedding and head) against
     # the peak: the difference is what one step holds for itself (activations, logits, temporaries).
     resident = torch.cuda.memory_allocated(device) / 2**30
-    peak = torch.cuda.max_memory_allocated(device) / 2**30
-    result = {
-        "step_s": statistics.median(times),
-        "peak_gib": peak,
-        "resident_gib": resident,
-        "step_transient_gib": peak - resident,
-        "step_ms_all": [round(t * 1e3, 1) for t in times],
-    }
+    result["peak_gib"] = peak = torch.cuda.max_memory_allocated(device) / 2**30
+    result |= {"resident_gib": resident, "step_transient_gib": peak - resident}
     if origins:
         with recorded_allocations(device) as recording:
             step(warmup + steps)

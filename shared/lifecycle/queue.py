@@ -1,4 +1,5 @@
-"""The shard queue: its name, the task names and ids, and the send-only client the producer enqueues with."""
+"""The shard queue: its name, the task names and ids, the send-only client the producer enqueues with, and what the
+broker holds of it (kombu's Redis lists and unacknowledged hash)."""
 
 import json
 import logging
@@ -48,11 +49,16 @@ class ShardSender:
         )
 
 
+def queue_lists(queue: str = SHARD_QUEUE) -> list[str]:
+    """The Redis lists kombu keeps `queue` in, one per priority step."""
+    return [queue + suffix for suffix in PRIORITY_SUFFIXES]
+
+
 def messages_in_broker(client: redis.Redis, queue: str = SHARD_QUEUE, *, limit: int = SCAN_LIMIT) -> set[str] | None:
     """The task ids of every shard message the broker holds: waiting in the queue or delivered and unacknowledged
     (read in one transaction, so that a message moving from one to the other is seen in one of them). None when it
     holds more than `limit`: reading them all would hold up the caller (a worker's event loop) for seconds."""
-    names = [queue + suffix for suffix in PRIORITY_SUFFIXES]
+    names = queue_lists(queue)
     with client.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.llen(name)

@@ -15,7 +15,7 @@ import redis
 from pydantic import BaseModel
 
 from shared.lifecycle.progress import job_key
-from shared.lifecycle.queue import PRIORITY_SUFFIXES, SENT_TS_HEADER, SHARD_QUEUE, UNACKED
+from shared.lifecycle.queue import SENT_TS_HEADER, SHARD_QUEUE, UNACKED, queue_lists
 from shared.redis_replies import scored_members, text, text_hash
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def list_workers(client: redis.Redis, *, stale_after_s: float, now: float | None
 
 def queue_depth(client: redis.Redis, queue: str = SHARD_QUEUE, *, now: float | None = None) -> QueueDepth:
     now = time.time() if now is None else now
-    names = [queue + suffix for suffix in PRIORITY_SUFFIXES]
+    names = queue_lists(queue)
     with client.pipeline() as pipe:
         for name in names:
             pipe.llen(name)
