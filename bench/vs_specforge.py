@@ -14,13 +14,15 @@ export is it, filtered).
    SpecForge gates row t of step i on `loss_mask[t + i]`, ours on the mask of the token it predicts
    (`loss_mask[t + 2 + i]`), so SpecForge's batch gets our mask shifted left by two: the same rows count on both
    sides. Per-step accuracies are compared too (one argmax flipped by rounding moves them by 1/rows).
-2. Our variants (--ours-variants: the compiled backbone, the recomputing flags) against our default, on the same
-   batch in fp32: every trainable weight's gradient of the TTT loss must agree, or the variant's rows are marked (a
-   variant that is faster because its backward lost work is not faster: torch 2.11 once compiled the backbone into a
-   backward that returned zeros).
+2. Our default (the compiled backbone on CUDA, as the trainer runs there) and our variants (--ours-variants: eager,
+   the recomputing flags) against the readable eager path, on the same batch in fp32: every trainable weight's
+   gradient of the TTT loss must agree, or the rows are marked (a variant that is faster because its backward lost
+   work is not faster: torch 2.11 once compiled the backbone into a backward that returned zeros).
 3. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
    median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
-   of memory on one side is named in the table; the other side is still measured.
+   of memory on one side is named in the table; the other side is still measured. Each side starts from a GPU that
+   holds nothing of the side before (garbage collected, checked: `allocated_before_gib`), and each step's batch goes
+   to the GPU in the step on both sides.
 
     python -m bench.vs_specforge --dims llama3-8b --shapes 1x2048 4x2048 1x8192 2x16384 --out vs_specforge.json
 
@@ -31,6 +33,7 @@ runs it that way), and SpecForge's torch.compile'd helpers run eagerly (TORCHDYN
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import statistics
@@ -46,7 +49,7 @@ import torch
 
 from bench.memory_peak import format_breakdown, peak_breakdown, recorded_allocations
 from bench.trainer_throughput import SHAPES, Shape, random_models, trainer_step
-from services.trainer.config import TrainConfig
+from services.trainer.config import TrainConfig, compiles_backbone
 from services.trainer.drafter import Eagle3Drafter, TargetHead
 from services.trainer.export import sglang_config
 from services.trainer.loss import Batch, shift_left, ttt_loss
@@ -255,27 +258,63 @@ def timed_steps(
 OURS_ORIGINS = ("services/trainer/",)
 SPECFORGE_ORIGINS = ("specforge/",)
 
-# Ours besides the defaults, measured on request (--ours-variants): name -> (the opt-in compiled backbone, on a compiled
-# copy of the drafter so that the later rows stay eager; `eagle3 train --recompute-mlp`; `--recompute-logits`).
+
+@dataclass(frozen=True)
+class OursVariant:
+    """How our side is set up: the compiled backbone (None: as the trainer does on the device, compiled on CUDA and
+    eager on the CPU), `eagle3 train --recompute-mlp`, `--recompute-logits`."""
+
+    compile_backbone: bool | None = None
+    recompute_mlp: bool = False
+    recompute_logits: bool = False
+
+
+# Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
+# every other variant's gradients are checked against.
+OURS_DEFAULT = "default"
+OURS_REFERENCE = "eager"
 OURS_VARIANTS = {
-    "compile": (True, False, False),
-    "recompute_mlp": (False, True, False),
-    "recompute_mlp+logits": (False, True, True),
+    OURS_DEFAULT: OursVariant(),
+    OURS_REFERENCE: OursVariant(compile_backbone=False),
+    "compile": OursVariant(compile_backbone=True),
+    "recompute_mlp": OursVariant(recompute_mlp=True),
+    "recompute_mlp+logits": OursVariant(recompute_mlp=True, recompute_logits=True),
 }
 
 
 @contextmanager
-def ours_as(models: Models, variant: str) -> Iterator[Eagle3Drafter]:
-    """Our drafter set up as `variant` ("default": as built); the shared config's flags are reset afterwards."""
-    compile_backbone, recompute_mlp, recompute_logits = OURS_VARIANTS.get(variant, (False, False, False))
-    drafter = copy.deepcopy(models.drafter) if compile_backbone else models.drafter
-    if compile_backbone:
+def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagle3Drafter]:
+    """Our drafter set up as `variant` for `device`; a compiled one is a copy (the shared drafter stays eager for the
+    rows after it), and the shared config's flags are reset afterwards."""
+    setup = OURS_VARIANTS[variant]
+    compiled = (
+        setup.compile_backbone
+        if setup.compile_backbone is not None
+        else compiles_backbone(TrainConfig(job_id="bench"), device.type)
+    )
+    drafter = copy.deepcopy(models.drafter) if compiled else models.drafter
+    if compiled:
         drafter.compile_backbone()
-    drafter.config.recompute_mlp, drafter.config.recompute_logits = recompute_mlp, recompute_logits
+    drafter.config.recompute_mlp, drafter.config.recompute_logits = setup.recompute_mlp, setup.recompute_logits
     try:
         yield drafter
     finally:
         drafter.config.recompute_mlp = drafter.config.recompute_logits = False
+        drafter.cpu()  # a compiled copy's weights and optimizer state leave the GPU even if a cache still holds it
+
+
+def settle(device: torch.device) -> float:
+    """GiB still allocated on the GPU once garbage is collected (0 on the CPU). Each side is measured from a GPU that
+    holds nothing of the side before: the objects of a side (SpecForge's modules, a compiled drafter) keep one another
+    alive in reference cycles, which only the collector frees, and until then their gigabytes counted in the next
+    side's peak (both sides' figures of 2026-12-05 and 2026-12-06 include about 5.5 GiB of the fp32 models of the
+    loss agreement check)."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0.0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device) / 2**30
 
 
 def measure_ours(
@@ -285,14 +324,15 @@ def measure_ours(
     device: torch.device,
     warmup: int,
     steps: int,
-    variant: str = "default",
+    variant: str = OURS_DEFAULT,
     breakdown: bool = False,
 ) -> dict:
-    with ours_as(models, variant) as drafter:
+    before = settle(device)
+    with ours_as(models, variant, device) as drafter:
         step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps + 1)
-        on_device = [b.to(device) for b in batches]
+        # Each step's batch goes to the GPU in the step, as SpecForge's does (and as the trainer's loader feeds it).
         result = timed_steps(
-            lambda i: step(on_device[i % len(on_device)]),
+            lambda i: step(batches[i % len(batches)].to(device)),
             device=device,
             warmup=warmup,
             steps=steps,
@@ -301,12 +341,12 @@ def measure_ours(
     # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
     models.drafter.cpu()
     models.target_head.cpu()
-    return result
+    return result | {"allocated_before_gib": before}
 
 
 def ttt_gradients(models: Models, batch: Batch, *, device: torch.device, variant: str) -> dict[str, torch.Tensor]:
     """Every trainable weight's gradient of our TTT loss on `batch` (fp32, no autocast), our drafter as `variant`."""
-    with ours_as(models, variant) as drafter:
+    with ours_as(models, variant, device) as drafter:
         drafter.to(device)
         ttt_loss(
             drafter, models.target_head.to(device), batch.to(device), ttt_length=TrainConfig(job_id="bench").ttt_length
@@ -347,6 +387,7 @@ def measure_specforge(
 ) -> dict:
     from specforge.optimizer import BF16Optimizer
 
+    before = settle(device)
     # bf16 weights with fp32 masters on GPU, as its trainer runs; fp32 on CPU, where bf16 matmuls crawl.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     specforge = SpecForgeStep(models, device=device, dtype=dtype, attention_backend=attention_backend)
@@ -358,7 +399,9 @@ def measure_specforge(
         optimizer.step()
 
     origins = SPECFORGE_ORIGINS if breakdown else ()
-    return timed_steps(step, device=device, warmup=warmup, steps=steps, origins=origins)
+    return timed_steps(step, device=device, warmup=warmup, steps=steps, origins=origins) | {
+        "allocated_before_gib": before
+    }
 
 
 def print_agreement(agreement: dict) -> None:
@@ -395,7 +438,9 @@ def row(name: str, tokens: int, result: dict) -> str:
         memory = f"{'-':>9s} {'-':>11s}"
     else:
         memory = f"{result['peak_gib']:9.2f} {result['resident_gib']:11.2f}"
-    return f"{name:20s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {memory}"
+    before = result.get("allocated_before_gib") or 0.0
+    left = f"  ({before:.2f} GiB was allocated before it started)" if before > 0.05 else ""
+    return f"{name:20s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {memory}{left}"
 
 
 def main() -> None:
@@ -449,20 +494,21 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print_agreement(agreement)
 
-    if args.ours_variants:
-        reference = ttt_gradients(models, agreement_batch, device=device, variant="default")
-        report["gradient_agreement"] = {}
-        for name in args.ours_variants:
-            got = ttt_gradients(models, agreement_batch, device=device, variant=name)
-            report["gradient_agreement"][name] = check = compare_gradients(reference, got)
-            verdict = "agree" if check["agree"] else "DISAGREE: its rows below are not a measure"
-            print(
-                f"ours+{name} against ours, every weight's gradient at {args.agreement_shape} (fp32): worst "
-                f"{check['worst_relative_error']:.1e} ({check['worst_weight']}), {verdict}",
-                flush=True,
-            )
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-        print()
+    # Our default (compiled on CUDA) and each variant against the readable eager path: every weight's gradient.
+    checked = [name for name in (OURS_DEFAULT, *args.ours_variants) if name != OURS_REFERENCE]
+    reference = ttt_gradients(models, agreement_batch, device=device, variant=OURS_REFERENCE)
+    report["gradient_agreement"] = {}
+    for name in dict.fromkeys(checked):
+        got = ttt_gradients(models, agreement_batch, device=device, variant=name)
+        report["gradient_agreement"][name] = check = compare_gradients(reference, got)
+        verdict = "agree" if check["agree"] else "DISAGREE: its rows below are not a measure"
+        print(
+            f"ours ({name}) against ours ({OURS_REFERENCE}), every weight's gradient at {args.agreement_shape} "
+            f"(fp32): worst {check['worst_relative_error']:.1e} ({check['worst_weight']}), {verdict}",
+            flush=True,
+        )
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print()
 
     print(f"{'shape':8s} {'side':20s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s} {'resident GiB':>11s}")
     for text in args.shapes:
@@ -472,7 +518,8 @@ def main() -> None:
         ours = measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps, breakdown=breakdown)
         variants = {
             name: measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps, variant=name)
-            for name in args.ours_variants
+            for name in dict.fromkeys(args.ours_variants)
+            if name != OURS_DEFAULT
         }
         theirs = measure_specforge(
             models,
@@ -489,10 +536,12 @@ def main() -> None:
         report["shapes"].append(entry)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         tokens = B * T
-        print(f"{text:8s} {row('ours', tokens, ours)}")
-        for name, result in variants.items():
-            unchecked = "" if report["gradient_agreement"][name]["agree"] else "  (gradients DISAGREE)"
-            print(f"{'':8s} {row(f'ours+{name}', tokens, result)}{unchecked}")
+        print(f"{text:8s}")
+        for name, result in {OURS_DEFAULT: ours, **variants}.items():
+            check = report["gradient_agreement"].get(name)
+            unchecked = "" if check is None or check["agree"] else "  (gradients DISAGREE)"
+            label = "ours" if name == OURS_DEFAULT else f"ours ({name})"
+            print(f"{'':8s} {row(label, tokens, result)}{unchecked}")
         print(f"{'':8s} {row('SpecForge', tokens, theirs)}")
         if "speedup" in entry:
             memory = f", peak memory {entry['memory_ratio']:.2f}x" if "memory_ratio" in entry else ""
