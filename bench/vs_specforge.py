@@ -303,18 +303,22 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
         drafter.cpu()  # a compiled copy's weights and optimizer state leave the GPU even if a cache still holds it
 
 
-def settle(device: torch.device) -> float:
-    """GiB still allocated on the GPU once garbage is collected (0 on the CPU). Each side is measured from a GPU that
-    holds nothing of the side before: the objects of a side (SpecForge's modules, a compiled drafter) keep one another
-    alive in reference cycles, which only the collector frees, and until then their gigabytes counted in the next
-    side's peak (both sides' figures of 2026-12-05 and 2026-12-06 include about 5.5 GiB of the fp32 models of the
-    loss agreement check)."""
-    gc.collect()
+def settle(device: torch.device) -> dict[str, float]:
+    """GiB allocated on the GPU before and after collecting garbage (0 on the CPU). Each side is measured from a GPU
+    that holds nothing of the side before: the objects of a side (SpecForge's modules, a compiled drafter) can keep
+    one another alive in reference cycles, which only the collector frees, and until then their memory would count in
+    the next side's peak."""
     if device.type != "cuda":
-        return 0.0
+        gc.collect()
+        return {"allocated_uncollected_gib": 0.0, "allocated_before_gib": 0.0}
     torch.cuda.synchronize(device)
+    uncollected = torch.cuda.memory_allocated(device) / 2**30
+    gc.collect()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(device) / 2**30
+    return {
+        "allocated_uncollected_gib": uncollected,
+        "allocated_before_gib": torch.cuda.memory_allocated(device) / 2**30,
+    }
 
 
 def measure_ours(
@@ -341,7 +345,7 @@ def measure_ours(
     # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
     models.drafter.cpu()
     models.target_head.cpu()
-    return result | {"allocated_before_gib": before}
+    return result | before
 
 
 def ttt_gradients(models: Models, batch: Batch, *, device: torch.device, variant: str) -> dict[str, torch.Tensor]:
@@ -399,9 +403,7 @@ def measure_specforge(
         optimizer.step()
 
     origins = SPECFORGE_ORIGINS if breakdown else ()
-    return timed_steps(step, device=device, warmup=warmup, steps=steps, origins=origins) | {
-        "allocated_before_gib": before
-    }
+    return timed_steps(step, device=device, warmup=warmup, steps=steps, origins=origins) | before
 
 
 def print_agreement(agreement: dict) -> None:
@@ -439,7 +441,9 @@ def row(name: str, tokens: int, result: dict) -> str:
     else:
         memory = f"{result['peak_gib']:9.2f} {result['resident_gib']:11.2f}"
     before = result.get("allocated_before_gib") or 0.0
-    left = f"  ({before:.2f} GiB was allocated before it started)" if before > 0.05 else ""
+    garbage = (result.get("allocated_uncollected_gib") or 0.0) - before
+    left = f"  ({garbage:.2f} GiB of garbage collected before it)" if garbage > 0.05 else ""
+    left += f"  ({before:.2f} GiB still allocated when it started)" if before > 0.05 else ""
     return f"{name:20s} {tokens / result['step_s']:12.0f} {result['step_s'] * 1e3:10.1f} {memory}{left}"
 
 
