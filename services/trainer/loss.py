@@ -27,7 +27,9 @@ Normalisation. Each step's loss is a mean over that step's counted rows; the tot
 Two implementations of the per-step soft cross-entropy, picked by name from `SOFT_CROSS_ENTROPY_FUNCTIONS`:
 `soft_cross_entropy` is the readable reference (fp32 log-softmax over [B, T, V_draft] kept for backward), and
 `fused_soft_cross_entropy` computes the loss, its gradient and the argmax in one pass over the logits (compiled on
-CUDA) and keeps only the bf16 gradient for backward. Both give the same values.
+CUDA). Training with the fused one goes a step further (`_HeadSoftCrossEntropy`): lm_head's two gradients are taken
+in forward too, a block of rows at a time, so backward keeps neither logits nor their gradient, only the gradient of
+the head's input and one sum of the weight's gradient over the steps. All give the same values.
 
 Checked against (read, not copied): sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.py (Steps 1-5.7:
 targets from the stored final state, position mask = t2d[target argmax] * loss mask, shift left per step, accuracy
@@ -177,6 +179,99 @@ class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
         return grad_hidden, (grad_weight * grad_total).to(weight.dtype), None, None
 
 
+class HeadGradient:
+    """The drafter lm_head weight's gradient of one TTT loss, summed over its unrolled steps as their forwards compute
+    it (fp32, V_draft x H), and handed to autograd once, by the first of the steps' backwards to run."""
+
+    def __init__(self) -> None:
+        self.total: Tensor | None = None
+        self.factor: Tensor | None = None  # the loss's factor from the first backward (1, or the caller's scale)
+
+    def add(self, grad_weight: Tensor) -> None:
+        if self.total is None:
+            self.total = grad_weight.float()
+        else:
+            self.total += grad_weight
+
+    def take(self, factor: Tensor) -> Tensor | None:
+        """The sum times the caller's factor on the loss, once; None after. Every step's term must enter the loss
+        with the same factor (ttt_loss adds them up): checked on the GPU without a host sync."""
+        if self.factor is not None:
+            torch._assert_async(factor == self.factor, "the TTT steps' head terms entered the loss unequally")
+            return None
+        self.factor = factor
+        assert self.total is not None, "a step's backward ran before any step's forward"
+        return self.total * factor
+
+
+class _HeadSoftCrossEntropy(torch.autograd.Function):
+    """lm_head and the step's weighted soft cross-entropy, `scale` * sum over rows, with both of the head's gradients
+    taken in forward, a block of rows at a time: backward keeps the gradient of the head's input (2 x H bytes a row)
+    and, once per loss, the weight's gradient summed over the steps (`HeadGradient`), instead of every step's bf16
+    gradient of its logits (2 x V_draft bytes a row: 64 KB at 32,000 draft tokens, for each of 7 steps). The same
+    matmuls as autograd's backward of lm_head, in forward; the step's weight in the loss (`scale`) is known there,
+    and the loss is linear in the steps' terms, so only the caller's factor (1, or a loss scale) is left to backward.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        teacher_p: Tensor,
+        learnable: Tensor,
+        scale: Tensor,
+        head_gradient: HeadGradient,
+    ) -> tuple[Tensor, Tensor]:
+        # hidden (B, R, H) normed, in the compute dtype; weight (V_draft, H), the fp32 master under autocast.
+        w = weight.to(hidden.dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        argmax = torch.empty(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        for block in _row_blocks(*hidden.shape[:2], rows_at_once=HEAD_CHUNK_ELEMENTS // w.shape[0]):
+            h = hidden[block]  # (b, r, H)
+            logits = h @ w.T  # (b, r, V_draft)
+            weight_rows = learnable[block].float() * scale  # the step's factor folded into the kernel's row weights
+            block_total, grad_logits, argmax[block] = _kernel(logits)(logits, teacher_p[block], weight_rows)
+            total += block_total
+            grad_hidden[block] = grad_logits @ w
+            head_gradient.add(grad_logits.flatten(0, 1).T @ h.flatten(0, 1))
+        ctx.save_for_backward(grad_hidden)
+        ctx.head_gradient = head_gradient
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:
+        (grad_hidden,) = ctx.saved_tensors
+        grad_weight = ctx.head_gradient.take(grad_total)
+        # The factor (fp32) multiplies the product, not the low-precision gradient.
+        return (grad_hidden.float() * grad_total).to(grad_hidden.dtype), grad_weight, None, None, None, None
+
+
+def _row_blocks(batch: int, rows: int, *, rows_at_once: int) -> Iterator[tuple[slice, slice]]:
+    """(sequences, rows) index blocks of about `rows_at_once` rows of a (batch, rows, ...) tensor: whole sequences
+    together while they fit (a batch of short sequences is a few large matmuls), else a sequence's rows in parts.
+    Blocks are views of the teacher's (B, T, V) tensor, never copies."""
+    rows_at_once = max(1, rows_at_once)
+    if rows <= rows_at_once:
+        sequences = max(1, rows_at_once // max(rows, 1))
+        for b in range(0, batch, sequences):
+            yield slice(b, b + sequences), slice(0, rows)
+        return
+    for b in range(batch):
+        for start in range(0, rows, rows_at_once):
+            yield slice(b, b + 1), slice(start, start + rows_at_once)
+
+
+def head_soft_cross_entropy(
+    drafter: Eagle3Drafter, hidden: Tensor, teacher_p: Tensor, learnable: Tensor, scale: Tensor, gradient: HeadGradient
+) -> tuple[Tensor, Tensor]:
+    """`scale` * `soft_cross_entropy_sum(drafter.compute_logits(hidden), ...)`, its gradients taken in forward."""
+    normed = autocast_input(drafter.norm(hidden))
+    return _HeadSoftCrossEntropy.apply(normed, drafter.lm_head.weight, teacher_p, learnable, scale, gradient)
+
+
 def _head_chunks(hidden: Tensor, w: Tensor) -> Iterator[tuple[tuple[int, slice], Tensor]]:
     """(index of a chunk of rows of one sequence, its logits): hidden (B, R, H) and w (V_draft, H) in the compute
     dtype -> logits (n, V_draft), n rows at a time. Chunks never cross sequences, so the teacher's rows are views of
@@ -245,7 +340,11 @@ def ttt_loss(
 
     # Step 3: unroll. Each step appends its keys to the cache, so step i attends steps 0..i (the TTT mask).
     zero = torch.zeros((), device=device)
-    step_losses, step_correct, step_counted = [zero] * ttt_length, [zero] * ttt_length, [zero] * ttt_length
+    terms, step_correct, step_counted = [zero] * ttt_length, [zero] * ttt_length, [zero] * ttt_length
+    # The fused path trains with the head's gradients taken in forward (`_HeadSoftCrossEntropy`); evaluation, the
+    # eager reference and the recomputing head compute logits as written.
+    fused_head = loss_implementation == "fused" and torch.is_grad_enabled() and drafter.lm_head.weight.requires_grad
+    head_gradient = HeadGradient() if fused_head else None
     for i in range(ttt_length):
         rows = T - 2 - i  # rows t whose predicted token x_{t+2+i} lies inside the sequence
         if rows <= 0:  # the sequence ends before this step reaches anything; so do all later steps
@@ -261,27 +360,35 @@ def ttt_loss(
         learnable = counted & target_in_draft[:, 1 + i : 1 + i + rows]  # (B, rows)
         step_counted[i] = counted.sum()
 
-        # Step 3.3: their logits, and the soft cross-entropy against the teacher, mean over counted rows.
+        # Step 3.3: their logits, and the soft cross-entropy against the teacher, mean over counted rows; each step's
+        # term in the loss weighted by step_decay**i (EAGLE-3's 0.8**i: later steps matter less).
+        weight = step_decay**i / step_counted[i].clamp(min=1)
         if drafter.config.recompute_logits and torch.is_grad_enabled():
             cross_entropy_sum, proposed = recomputed_head_soft_cross_entropy(
                 drafter, hidden[:, :rows], teacher, learnable
             )
+            terms[i] = cross_entropy_sum * weight
+        elif head_gradient is not None:
+            terms[i], proposed = head_soft_cross_entropy(
+                drafter, hidden[:, :rows], teacher, learnable, weight, head_gradient
+            )
         else:
             logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
             cross_entropy_sum, proposed = soft_cross_entropy_sum(logits, teacher, learnable)  # (), (B, rows) draft ids
-        step_losses[i] = cross_entropy_sum / step_counted[i].clamp(min=1)
+            terms[i] = cross_entropy_sum * weight
 
         # Step 3.4: top-1 agreement in target ids, what greedy verification would accept.
         with torch.no_grad():
             proposed = drafter.draft_to_target(proposed)  # (B, rows)
             step_correct[i] = ((proposed == target_token[:, 1 + i : 1 + i + rows]) & counted).sum()
 
-    # Step 4: later steps matter less; EAGLE-3 weights step i by step_decay**i (Python floats: no host-to-device copy).
-    loss = sum(step_decay**i * step_loss for i, step_loss in enumerate(step_losses))
-    # One host sync for all the logged numbers, not one per step (it stalls the GPU).
-    losses, correct, counted_rows = torch.stack(
-        [torch.stack(step_losses).detach(), torch.stack(step_correct).float(), torch.stack(step_counted).float()]
+    # Step 4: the loss is the sum of the steps' weighted terms; each step's own loss, for the logs, is its term over
+    # step_decay**i. One host sync for all the logged numbers, not one per step (it stalls the GPU).
+    loss = sum(terms)
+    weighted, correct, counted_rows = torch.stack(
+        [torch.stack(terms).detach(), torch.stack(step_correct).float(), torch.stack(step_counted).float()]
     ).tolist()
+    losses = [term / step_decay**i for i, term in enumerate(weighted)]
     return TTTOutput(
         loss=loss,  # type: ignore[arg-type]  # sum() types an empty sum's 0; ttt_length >= 1 makes it a Tensor
         step_losses=losses,

@@ -22,6 +22,7 @@ from services.trainer.drafter import (
 )
 from services.trainer.loss import (
     Batch,
+    _row_blocks,
     fused_soft_cross_entropy,
     shift_left,
     soft_cross_entropy,
@@ -251,29 +252,52 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
 
     reference, reference_grads = loss_and_grads("eager", "eager")
     assert any(reference.step_accuracies), "all-zero accuracies would make the comparison vacuous"
-    # From here the teacher and the recomputing head take a few rows at a time: several chunks per sequence, a short
-    # last one, against the reference's one chunk.
-    monkeypatch.setattr(loss_module, "HEAD_CHUNK_ELEMENTS", 5 * 300)
-    assert 1 < 1500 // target_head.weight.shape[0] < batch.input_ids.shape[1]
-    for variant in [
-        ("sdpa", "eager"),
-        ("eager", "fused"),
-        ("sdpa", "fused"),
-        ("sdpa", "fused", "mlp"),
-        ("sdpa", "fused", "logits"),
-        ("sdpa", "fused", "mlp+logits"),
-    ]:
-        out, grads = loss_and_grads(*variant)
-        torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-6)
-        assert out.step_losses == pytest.approx(reference.step_losses, rel=1e-5)
-        assert out.step_accuracies == reference.step_accuracies
-        assert out.step_num_tokens == reference.step_num_tokens
-        for got, expected in zip(grads, reference_grads, strict=True):
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    # From here the teacher and the heads take a few rows at a time, against the reference's one chunk: 5 rows (several
+    # blocks per sequence, a short last one), then 60 rows (two whole sequences a block).
+    assert 5 < batch.input_ids.shape[1] - 2 <= 60 // 2  # step 0 has T - 2 rows
+    for rows_at_once in (5, 60):
+        monkeypatch.setattr(loss_module, "HEAD_CHUNK_ELEMENTS", rows_at_once * drafter.config.draft_vocab_size)
+        for variant in [
+            ("sdpa", "eager"),
+            ("eager", "fused"),
+            ("sdpa", "fused"),
+            ("sdpa", "fused", "mlp"),
+            ("sdpa", "fused", "logits"),
+            ("sdpa", "fused", "mlp+logits"),
+        ]:
+            out, grads = loss_and_grads(*variant)
+            torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-6)
+            assert out.step_losses == pytest.approx(reference.step_losses, rel=1e-5)
+            assert out.step_accuracies == reference.step_accuracies
+            assert out.step_num_tokens == reference.step_num_tokens
+            for got, expected in zip(grads, reference_grads, strict=True):
+                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+    # The fused head's weight gradient, summed over the steps in forward, follows the caller's factor on the loss.
+    drafter.config.recompute_mlp = drafter.config.recompute_logits = False
+    out = ttt_loss(drafter, target_head, batch)
+    (scaled,) = torch.autograd.grad(out.loss * 3.0, [drafter.lm_head.weight])
+    torch.testing.assert_close(
+        scaled, 3.0 * reference_grads[params_index(drafter, "lm_head.weight")], rtol=1e-4, atol=1e-6
+    )
+
+
+def params_index(drafter: Eagle3Drafter, name: str) -> int:
+    names = [n for n, p in drafter.named_parameters() if p.requires_grad]
+    return names.index(name)
+
+
+@pytest.mark.parametrize(("batch", "rows", "rows_at_once"), [(4, 29, 5), (4, 29, 60), (3, 7, 7), (1, 10, 3), (5, 1, 2)])
+def test_head_row_blocks_cover_every_row_once(batch: int, rows: int, rows_at_once: int) -> None:
+    seen = torch.zeros(batch, rows, dtype=torch.long)
+    for block in _row_blocks(batch, rows, rows_at_once=rows_at_once):
+        seen[block] += 1
+        assert seen[block].numel() <= max(rows_at_once, 1) or seen[block].shape[0] == 1, block
+    assert (seen == 1).all(), seen
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 autocast on the GPU, as the trainer runs there")
-def test_recomputing_gives_the_kept_loss_and_gradients_on_cuda_in_bf16() -> None:
+def test_fused_and_recomputing_paths_give_the_eager_loss_and_gradients_on_cuda_in_bf16() -> None:
     from bench.trainer_throughput import random_models
     from bench.vs_specforge import DIMS, random_batch
     from services.trainer.step import autocast, place_models
@@ -284,15 +308,18 @@ def test_recomputing_gives_the_kept_loss_and_gradients_on_cuda_in_bf16() -> None
     batch = random_batch(DIMS["tiny"], 2, 64, seed=1).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
 
-    def loss_and_grads(recompute: bool) -> tuple:
+    def loss_and_grads(recompute: bool, loss_implementation: str = "fused") -> tuple:
         drafter.config.recompute_mlp = drafter.config.recompute_logits = recompute
         with autocast(device):
-            out = ttt_loss(drafter, target_head, batch)
+            out = ttt_loss(drafter, target_head, batch, loss_implementation=loss_implementation)
         return out, torch.autograd.grad(out.loss, params)
 
-    kept, kept_grads = loss_and_grads(False)
-    recomputed, recomputed_grads = loss_and_grads(True)
-    torch.testing.assert_close(recomputed.loss, kept.loss, rtol=1e-3, atol=1e-4)
-    assert recomputed.step_accuracies == kept.step_accuracies
-    for got, expected in zip(recomputed_grads, kept_grads, strict=True):
-        assert (got - expected).norm() <= 2e-2 * expected.norm() + 1e-6
+    # The eager logits and loss as autograd differentiates them, against the fused head (gradients taken in forward)
+    # and the recomputing paths: all in bf16 under autocast, so within bf16's rounding of each other.
+    kept, kept_grads = loss_and_grads(False, loss_implementation="eager")
+    for recompute in (False, True):
+        got, got_grads = loss_and_grads(recompute)
+        torch.testing.assert_close(got.loss, kept.loss, rtol=1e-3, atol=1e-4)
+        assert got.step_accuracies == kept.step_accuracies
+        for grad, expected in zip(got_grads, kept_grads, strict=True):
+            assert (grad - expected).norm() <= 2e-2 * expected.norm() + 1e-6
