@@ -15,9 +15,10 @@ export is it, filtered).
    (`loss_mask[t + 2 + i]`), so SpecForge's batch gets our mask shifted left by two: the same rows count on both
    sides. Per-step accuracies are compared too (one argmax flipped by rounding moves them by 1/rows).
 2. Our default (the compiled backbone on CUDA, as the trainer runs there) and our variants (--ours-variants: eager,
-   the recomputing flags) against the readable eager path, on the same batch in fp32: every trainable weight's
-   gradient of the TTT loss must agree, or the rows are marked (a variant that is faster because its backward lost
-   work is not faster: torch 2.11 once compiled the backbone into a backward that returned zeros).
+   the recomputing flags) against the readable reference (the eager backbone, autograd through the logits and the
+   eager loss), on the same batch in fp32: every trainable weight's gradient of the TTT loss must agree, or the rows
+   are marked (a variant that is faster because its backward lost work is not faster: torch 2.11 once compiled the
+   backbone into a backward that returned zeros).
 3. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
    median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
    of memory on one side is named in the table; the other side is still measured. Each side starts from a GPU that
@@ -348,12 +349,18 @@ def measure_ours(
     return result | before
 
 
-def ttt_gradients(models: Models, batch: Batch, *, device: torch.device, variant: str) -> dict[str, torch.Tensor]:
+def ttt_gradients(
+    models: Models, batch: Batch, *, device: torch.device, variant: str, loss_implementation: str = "fused"
+) -> dict[str, torch.Tensor]:
     """Every trainable weight's gradient of our TTT loss on `batch` (fp32, no autocast), our drafter as `variant`."""
     with ours_as(models, variant, device) as drafter:
         drafter.to(device)
         ttt_loss(
-            drafter, models.target_head.to(device), batch.to(device), ttt_length=TrainConfig(job_id="bench").ttt_length
+            drafter,
+            models.target_head.to(device),
+            batch.to(device),
+            ttt_length=TrainConfig(job_id="bench").ttt_length,
+            loss_implementation=loss_implementation,
         ).loss.backward()
         params = {name: p for name, p in drafter.named_parameters() if p.requires_grad}
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).cpu() for name, p in params.items()}
@@ -498,16 +505,20 @@ def main() -> None:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         print_agreement(agreement)
 
-    # Our default (compiled on CUDA) and each variant against the readable eager path: every weight's gradient.
+    # Our default (compiled on CUDA) and each variant against the readable reference, the eager backbone with the
+    # eager loss (autograd through the logits): every weight's gradient.
     checked = [name for name in (OURS_DEFAULT, *args.ours_variants) if name != OURS_REFERENCE]
-    reference = ttt_gradients(models, agreement_batch, device=device, variant=OURS_REFERENCE)
+    reference = ttt_gradients(
+        models, agreement_batch, device=device, variant=OURS_REFERENCE, loss_implementation="eager"
+    )
+    checked.append(OURS_REFERENCE)
     report["gradient_agreement"] = {}
     for name in dict.fromkeys(checked):
         got = ttt_gradients(models, agreement_batch, device=device, variant=name)
         report["gradient_agreement"][name] = check = compare_gradients(reference, got)
         verdict = "agree" if check["agree"] else "DISAGREE: its rows below are not a measure"
         print(
-            f"ours ({name}) against ours ({OURS_REFERENCE}), every weight's gradient at {args.agreement_shape} "
+            f"ours ({name}) against the eager backbone and loss, every weight's gradient at {args.agreement_shape} "
             f"(fp32): worst {check['worst_relative_error']:.1e} ({check['worst_weight']}), {verdict}",
             flush=True,
         )
