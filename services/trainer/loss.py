@@ -24,12 +24,13 @@ it) but still counts as a miss for accuracy, as it would in decoding.
 Normalisation. Each step's loss is a mean over that step's counted rows; the total is sum_i step_decay**i * loss_i
 (EAGLE-3's 0.8**i). Accuracy at step i = (drafter argmax, mapped to a target id) == (target argmax), over counted rows.
 
-Two implementations of the per-step soft cross-entropy, picked by name from `SOFT_CROSS_ENTROPY_FUNCTIONS`:
-`soft_cross_entropy` is the readable reference (fp32 log-softmax over [B, T, V_draft] kept for backward), and
-`fused_soft_cross_entropy` computes the loss, its gradient and the argmax in one pass over the logits (compiled on
-CUDA). Training with the fused one goes a step further (`_HeadSoftCrossEntropy`): lm_head's two gradients are taken
-in forward too, a block of rows at a time, so backward keeps neither logits nor their gradient, only the gradient of
-the head's input and one sum of the weight's gradient over the steps. All give the same values.
+Two implementations of the per-step lm_head and soft cross-entropy, by name (`LOSS_IMPLEMENTATIONS`): "eager" is
+the readable reference (the logits, then an fp32 log-softmax over [B, T, V_draft] that autograd keeps for backward);
+"fused", the default, computes the loss, its gradient and the argmax in one pass over the logits
+(`soft_cross_entropy_with_grad`, compiled on CUDA) and takes lm_head's two gradients in forward too, a block of rows
+at a time (`_HeadSoftCrossEntropy`), so that backward keeps neither logits nor their gradient, only the gradient of
+the head's input and one sum of the weight's gradient over the steps. Both give the same values; without gradients
+(evaluation) both compute the reference.
 
 Checked against (read, not copied): sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.py (Steps 1-5.7:
 targets from the stored final state, position mask = t2d[target argmax] * loss mask, shift left per step, accuracy
@@ -115,29 +116,7 @@ def _compiled_soft_cross_entropy_with_grad() -> Callable:
     return torch.compile(soft_cross_entropy_with_grad, dynamic=True)  # dynamic: rows shrink every step, batches vary
 
 
-class _FusedSoftCrossEntropy(torch.autograd.Function):
-    """The gradient is computed in forward, so backward keeps one bf16 tensor instead of fp32 log-probabilities."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:
-        total, grad, argmax = _kernel(logits)(logits, teacher_p, learnable.float())
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(argmax)
-        return total, argmax
-
-    @staticmethod
-    def backward(ctx: Any, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:
-        (grad,) = ctx.saved_tensors
-        return grad * grad_total, None, None
-
-
-def fused_soft_cross_entropy(logits: Tensor, teacher_p: Tensor, learnable: Tensor) -> tuple[Tensor, Tensor]:
-    if not (torch.is_grad_enabled() and logits.requires_grad):  # evaluation: no gradient to precompute
-        return soft_cross_entropy(logits, teacher_p, learnable)
-    return _FusedSoftCrossEntropy.apply(logits, teacher_p, learnable)
-
-
-SOFT_CROSS_ENTROPY_FUNCTIONS = {"eager": soft_cross_entropy, "fused": fused_soft_cross_entropy}
+LOSS_IMPLEMENTATIONS = ("eager", "fused")
 
 # Rows of logits computed at once by the teacher and by the recomputing head: 2**28 elements, 512 MiB of bf16 logits.
 HEAD_CHUNK_ELEMENTS = 2**28
@@ -159,7 +138,9 @@ class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         for rows, logits in _head_chunks(hidden, weight.to(hidden.dtype)):
-            chunk_total, _, chunk_argmax = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())
+            chunk_total, _, chunk_argmax = soft_cross_entropy_kernel(logits)(
+                logits, teacher_p[rows], learnable[rows].float()
+            )
             total += chunk_total
             argmax[rows] = chunk_argmax
         ctx.mark_non_differentiable(argmax)
@@ -172,7 +153,9 @@ class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # unscaled, summed over the chunks in fp32
         for rows, logits in _head_chunks(hidden, w):
-            _, grad_logits, _ = _kernel(logits)(logits, teacher_p[rows], learnable[rows].float())  # (n, V_draft)
+            _, grad_logits, _ = soft_cross_entropy_kernel(logits)(
+                logits, teacher_p[rows], learnable[rows].float()
+            )  # (n, V_draft)
             # The loss's scale (fp32) multiplies the products, not the low-precision gradient of the logits.
             grad_hidden[rows] = ((grad_logits @ w).float() * grad_total).to(hidden.dtype)
             grad_weight += (grad_logits.T @ hidden[rows]).float()
@@ -232,7 +215,9 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
             h = hidden[block]  # (b, r, H)
             logits = h @ w.T  # (b, r, V_draft)
             weight_rows = learnable[block].float() * scale  # the step's factor folded into the kernel's row weights
-            block_total, grad_logits, argmax[block] = _kernel(logits)(logits, teacher_p[block], weight_rows)
+            block_total, grad_logits, argmax[block] = soft_cross_entropy_kernel(logits)(
+                logits, teacher_p[block], weight_rows
+            )
             total += block_total
             grad_hidden[block] = grad_logits @ w
             head_gradient.add(grad_logits.flatten(0, 1).T @ h.flatten(0, 1))
@@ -283,7 +268,8 @@ def _head_chunks(hidden: Tensor, w: Tensor) -> Iterator[tuple[tuple[int, slice],
             yield rows, hidden[rows] @ w.T
 
 
-def _kernel(logits: Tensor) -> Callable:
+def soft_cross_entropy_kernel(logits: Tensor) -> Callable:
+    """`soft_cross_entropy_with_grad` for `logits`: compiled on CUDA (one fused reduction), as written elsewhere."""
     compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
     return _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
 
@@ -307,10 +293,11 @@ def ttt_loss(
 ) -> TTTOutput:
     """The TTT loss of one batch and its per-step metrics. A batch shorter than 3 tokens has no row to learn
     from; its loss is a zero without gradient, so the caller should not step on it. `loss_implementation` names
-    the per-step soft cross-entropy in SOFT_CROSS_ENTROPY_FUNCTIONS."""
+    the per-step head and soft cross-entropy, one of LOSS_IMPLEMENTATIONS."""
+    if loss_implementation not in LOSS_IMPLEMENTATIONS:
+        raise ValueError(f"loss_implementation {loss_implementation!r}: one of {LOSS_IMPLEMENTATIONS}")
     B, T = batch.input_ids.shape  # batch size, sequence length (right-padded)
     device = batch.input_ids.device
-    soft_cross_entropy_sum = SOFT_CROSS_ENTROPY_FUNCTIONS[loss_implementation]
 
     # Step 1: the teacher. Position t of the target predicts token t+1; only its draft-vocab part is learnable.
     with torch.no_grad():
@@ -374,7 +361,7 @@ def ttt_loss(
             )
         else:
             logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
-            cross_entropy_sum, proposed = soft_cross_entropy_sum(logits, teacher, learnable)  # (), (B, rows) draft ids
+            cross_entropy_sum, proposed = soft_cross_entropy(logits, teacher, learnable)  # (), (B, rows) draft ids
             terms[i] = cross_entropy_sum * weight
 
         # Step 3.4: top-1 agreement in target ids, what greedy verification would accept.

@@ -23,9 +23,9 @@ from services.trainer.drafter import (
 from services.trainer.loss import (
     Batch,
     _row_blocks,
-    fused_soft_cross_entropy,
     shift_left,
     soft_cross_entropy,
+    soft_cross_entropy_kernel,
     ttt_loss,
 )
 from services.trainer.speculative import aux_hidden_state
@@ -197,34 +197,40 @@ def test_overfitting_one_batch_lowers_loss_and_raises_accuracy(
 
 
 def soft_cross_entropy_outputs(
-    function: object, logits_dtype: torch.dtype, device: str, seed: int = 0
+    logits_dtype: torch.dtype, device: str, *, kernel: bool, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(masked sum, argmax, d(0.8 * sum)/d logits) on random logits and a sharp random teacher."""
+    """(masked sum, argmax, d(0.8 * sum)/d logits) on random logits and a sharp random teacher: from autograd through
+    the eager soft cross-entropy, or (`kernel`) from the fused path's kernel (compiled on CUDA), which gives the
+    gradient in forward with the row weights (0.8 * learnable) folded in."""
     generator = torch.Generator(device).manual_seed(seed)
     B, R, V = 3, 50, 700
-    logits = (3 * torch.randn(B, R, V, generator=generator, device=device)).to(logits_dtype).requires_grad_()
+    logits = (3 * torch.randn(B, R, V, generator=generator, device=device)).to(logits_dtype)
     teacher_p = (4 * torch.randn(B, R, V, generator=generator, device=device)).softmax(-1)
     learnable = torch.rand(B, R, generator=generator, device=device) < 0.7
-    total, argmax = function(logits, teacher_p, learnable)  # type: ignore[operator]
+    if kernel:
+        total, grad, argmax = soft_cross_entropy_kernel(logits)(logits, teacher_p, 0.8 * learnable.float())
+        return total / 0.8, argmax, grad
+    logits.requires_grad_()
+    total, argmax = soft_cross_entropy(logits, teacher_p, learnable)
     (grad,) = torch.autograd.grad(0.8 * total, logits)  # a step weight upstream, as in ttt_loss
     return total, argmax, grad
 
 
 @pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_soft_cross_entropy_matches_eager(logits_dtype: torch.dtype) -> None:
-    eager = soft_cross_entropy_outputs(soft_cross_entropy, logits_dtype, "cpu")
-    fused = soft_cross_entropy_outputs(fused_soft_cross_entropy, logits_dtype, "cpu")
+def test_the_fused_kernel_gives_the_eager_loss_and_its_gradient(logits_dtype: torch.dtype) -> None:
+    eager = soft_cross_entropy_outputs(logits_dtype, "cpu", kernel=False)
+    fused = soft_cross_entropy_outputs(logits_dtype, "cpu", kernel=True)
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-6, atol=1e-4)
     assert torch.equal(fused[1], eager[1])
-    # bf16: the eager gradient is rounded once (fp32 -> bf16), the fused one twice (bf16, then times the weight).
+    # bf16: both gradients are rounded once to bf16, from fp32 values summed in different orders.
     tolerance = {"rtol": 1e-5, "atol": 1e-7} if logits_dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-6}
     torch.testing.assert_close(fused[2], eager[2], **tolerance)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled soft cross-entropy kernel runs on CUDA")
 def test_compiled_soft_cross_entropy_matches_eager_on_cuda() -> None:
-    eager = soft_cross_entropy_outputs(soft_cross_entropy, torch.bfloat16, "cuda")
-    fused = soft_cross_entropy_outputs(fused_soft_cross_entropy, torch.bfloat16, "cuda")
+    eager = soft_cross_entropy_outputs(torch.bfloat16, "cuda", kernel=False)
+    fused = soft_cross_entropy_outputs(torch.bfloat16, "cuda", kernel=True)
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-3)
     assert torch.equal(fused[1], eager[1])
     torch.testing.assert_close(fused[2], eager[2], rtol=1e-2, atol=1e-6)
