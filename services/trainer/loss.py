@@ -118,48 +118,8 @@ def _compiled_soft_cross_entropy_with_grad() -> Callable:
 
 LOSS_IMPLEMENTATIONS = ("eager", "fused")
 
-# Rows of logits computed at once by the teacher and by the recomputing head: 2**28 elements, 512 MiB of bf16 logits.
+# Rows of logits computed at once by the teacher and by the fused head: 2**28 elements, 512 MiB of bf16 logits.
 HEAD_CHUNK_ELEMENTS = 2**28
-
-
-class _RecomputedHeadSoftCrossEntropy(torch.autograd.Function):
-    """lm_head and the soft cross-entropy in one, over chunks of rows, keeping nothing of the vocabulary's width for
-    backward: forward computes each chunk's logits, its loss and argmax, and lets them go; backward computes each
-    chunk's logits again and takes the gradients of lm_head's input and weight from them. The fused path keeps a bf16
-    gradient of every step's logits (2 x V_draft bytes per row: 64 KB at 32,000 draft tokens) instead; this keeps
-    the head's input (2 x H) and pays one more lm_head matmul per step."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: Tensor, weight: Tensor, teacher_p: Tensor, learnable: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        # hidden (B, R, H) normed, in the compute dtype; weight (V_draft, H), the fp32 master under autocast.
-        ctx.save_for_backward(hidden, weight, teacher_p, learnable)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        argmax = torch.empty(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-        for rows, logits in _head_chunks(hidden, weight.to(hidden.dtype)):
-            chunk_total, _, chunk_argmax = soft_cross_entropy_kernel(logits)(
-                logits, teacher_p[rows], learnable[rows].float()
-            )
-            total += chunk_total
-            argmax[rows] = chunk_argmax
-        ctx.mark_non_differentiable(argmax)
-        return total, argmax
-
-    @staticmethod
-    def backward(ctx: Any, grad_total: Tensor, _grad_argmax: Tensor | None) -> tuple[Tensor | None, ...]:
-        hidden, weight, teacher_p, learnable = ctx.saved_tensors
-        w = weight.to(hidden.dtype)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # unscaled, summed over the chunks in fp32
-        for rows, logits in _head_chunks(hidden, w):
-            _, grad_logits, _ = soft_cross_entropy_kernel(logits)(
-                logits, teacher_p[rows], learnable[rows].float()
-            )  # (n, V_draft)
-            # The loss's scale (fp32) multiplies the products, not the low-precision gradient of the logits.
-            grad_hidden[rows] = ((grad_logits @ w).float() * grad_total).to(hidden.dtype)
-            grad_weight += (grad_logits.T @ hidden[rows]).float()
-        return grad_hidden, (grad_weight * grad_total).to(weight.dtype), None, None
 
 
 class HeadGradient:
@@ -184,7 +144,9 @@ class HeadGradient:
             return None
         self.factor = factor
         assert self.total is not None, "a step's backward ran before any step's forward"
-        return self.total * factor
+        # Scaled in place and handed over (autograd may keep it as the weight's .grad): no second copy of its size.
+        total, self.total = self.total.mul_(factor), None
+        return total
 
 
 class _HeadSoftCrossEntropy(torch.autograd.Function):
@@ -252,34 +214,15 @@ def _row_blocks(batch: int, rows: int, *, rows_at_once: int) -> Iterator[tuple[s
 def head_soft_cross_entropy(
     drafter: Eagle3Drafter, hidden: Tensor, teacher_p: Tensor, learnable: Tensor, scale: Tensor, gradient: HeadGradient
 ) -> tuple[Tensor, Tensor]:
-    """`scale` * `soft_cross_entropy_sum(drafter.compute_logits(hidden), ...)`, its gradients taken in forward."""
+    """`scale` * `soft_cross_entropy(drafter.compute_logits(hidden), ...)`, its gradients taken in forward."""
     normed = autocast_input(drafter.norm(hidden))
     return _HeadSoftCrossEntropy.apply(normed, drafter.lm_head.weight, teacher_p, learnable, scale, gradient)
-
-
-def _head_chunks(hidden: Tensor, w: Tensor) -> Iterator[tuple[tuple[int, slice], Tensor]]:
-    """(index of a chunk of rows of one sequence, its logits): hidden (B, R, H) and w (V_draft, H) in the compute
-    dtype -> logits (n, V_draft), n rows at a time. Chunks never cross sequences, so the teacher's rows are views of
-    its (B, T, V) tensor, never copies."""
-    chunk = max(1, HEAD_CHUNK_ELEMENTS // w.shape[0])
-    for b in range(hidden.shape[0]):
-        for start in range(0, hidden.shape[1], chunk):
-            rows = (b, slice(start, start + chunk))
-            yield rows, hidden[rows] @ w.T
 
 
 def soft_cross_entropy_kernel(logits: Tensor) -> Callable:
     """`soft_cross_entropy_with_grad` for `logits`: compiled on CUDA (one fused reduction), as written elsewhere."""
     compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
     return _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
-
-
-def recomputed_head_soft_cross_entropy(
-    drafter: Eagle3Drafter, hidden: Tensor, teacher_p: Tensor, learnable: Tensor
-) -> tuple[Tensor, Tensor]:
-    """`soft_cross_entropy_sum(drafter.compute_logits(hidden), ...)` with the logits computed again in backward."""
-    normed = autocast_input(drafter.norm(hidden))
-    return _RecomputedHeadSoftCrossEntropy.apply(normed, drafter.lm_head.weight, teacher_p, learnable)
 
 
 def ttt_loss(
@@ -328,8 +271,8 @@ def ttt_loss(
     # Step 3: unroll. Each step appends its keys to the cache, so step i attends steps 0..i (the TTT mask).
     zero = torch.zeros((), device=device)
     terms, step_correct, step_counted = [zero] * ttt_length, [zero] * ttt_length, [zero] * ttt_length
-    # The fused path trains with the head's gradients taken in forward (`_HeadSoftCrossEntropy`); evaluation, the
-    # eager reference and the recomputing head compute logits as written.
+    # The fused path trains with the head's gradients taken in forward (`_HeadSoftCrossEntropy`); evaluation and the
+    # eager reference compute the logits as written.
     fused_head = loss_implementation == "fused" and torch.is_grad_enabled() and drafter.lm_head.weight.requires_grad
     head_gradient = HeadGradient() if fused_head else None
     for i in range(ttt_length):
@@ -350,12 +293,7 @@ def ttt_loss(
         # Step 3.3: their logits, and the soft cross-entropy against the teacher, mean over counted rows; each step's
         # term in the loss weighted by step_decay**i (EAGLE-3's 0.8**i: later steps matter less).
         weight = step_decay**i / step_counted[i].clamp(min=1)
-        if drafter.config.recompute_logits and torch.is_grad_enabled():
-            cross_entropy_sum, proposed = recomputed_head_soft_cross_entropy(
-                drafter, hidden[:, :rows], teacher, learnable
-            )
-            terms[i] = cross_entropy_sum * weight
-        elif head_gradient is not None:
+        if head_gradient is not None:
             terms[i], proposed = head_soft_cross_entropy(
                 drafter, hidden[:, :rows], teacher, learnable, weight, head_gradient
             )

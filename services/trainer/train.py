@@ -98,7 +98,7 @@ class LoadingGroup:
 PACKING_EFFICIENCY = 0.85
 # What a run gives up, in this order, when a micro-batch does not fit in GPU memory (TrainConfig's flags of the same
 # names: each keeps less for backward for more compute).
-RECOMPUTE_FLAGS = ("recompute_mlp", "recompute_logits")
+RECOMPUTE_FLAGS = ("recompute_mlp",)
 
 
 def train(
@@ -194,7 +194,7 @@ def build_trainer(
     drafter, target_head = build_drafter(
         model_path, mapping, aux_layer_ids=aux_layer_ids, init_from_target=config.init_from_target
     )
-    drafter.config.recompute_mlp, drafter.config.recompute_logits = config.recompute_mlp, config.recompute_logits
+    drafter.config.recompute_mlp = config.recompute_mlp
     place_models(drafter, target_head, runtime.device)
     if compiles_backbone(config, runtime.device.type):
         drafter.compile_backbone()
@@ -452,9 +452,9 @@ class Trainer:
                 self._keep_less_for_backward(error, batches)
 
     def _keep_less_for_backward(self, error: StepOutOfMemory, batches: list[Batch | None]) -> None:
-        """After a micro-batch ran out of GPU memory: from now on recompute each unrolled step's MLP in backward,
-        then also its logits (what --recompute-mlp and --recompute-logits do: 0.6x, then 0.4x the activations kept
-        a token, the step up to a fifth slower), and the same micro-batches train again. A run of several ranks
+        """After a micro-batch ran out of GPU memory: from now on recompute each unrolled step's MLP in backward
+        (what --recompute-mlp does: about 0.6x the activations kept a token, the step about a sixth slower), and the
+        same micro-batches train again. A run of several ranks
         cannot retry one rank's step alone, and one that keeps as little as it can has nothing left to give up:
         those stop, saying what to change."""
         drafter_config = self.drafter.config

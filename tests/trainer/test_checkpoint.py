@@ -93,3 +93,13 @@ def test_a_payload_missing_a_field_is_refused_naming_it() -> None:
         Checkpoint.from_payload(payload, source="x.pt")
     with pytest.raises(ConfigurationError, match="not a format-1 trainer checkpoint"):
         Checkpoint.from_payload({"format": 99}, source="x.pt")
+
+
+def test_a_checkpoint_of_an_earlier_version_loads_without_its_retired_settings() -> None:
+    # Saved before --recompute-logits was retired: the setting no longer exists and changes nothing, so it is dropped.
+    payload = small_checkpoint().to_payload()
+    payload["train_config"]["recompute_logits"] = True
+    payload["drafter_config"]["recompute_logits"] = True
+    loaded = Checkpoint.from_payload(payload, source="x.pt")
+    assert loaded.train_config == small_checkpoint().train_config
+    assert not hasattr(loaded.drafter_config, "recompute_logits")

@@ -175,10 +175,12 @@ def test_training_and_decoding_share_one_shift_convention(
     masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, continuations, strict=True)]
     batch = captured_batch(tiny_target, sequences, masks, AUX_LAYER_IDS)
 
+    # Without gradients the loss reads the oracle's logits (training's fused head computes them from lm_head itself).
     oracle = oracle_for(drafter, sequences)
-    assert ttt_loss(oracle, target_head, batch, ttt_length=4).step_accuracies == [1.0] * 4
-    shifted = oracle_for(drafter, [s[1:] for s in sequences])  # predicts token p+3 instead
-    assert ttt_loss(shifted, target_head, batch, ttt_length=4).step_accuracies[0] < 0.5
+    with torch.no_grad():
+        assert ttt_loss(oracle, target_head, batch, ttt_length=4).step_accuracies == [1.0] * 4
+        shifted = oracle_for(drafter, [s[1:] for s in sequences])  # predicts token p+3 instead
+        assert ttt_loss(shifted, target_head, batch, ttt_length=4).step_accuracies[0] < 0.5
 
     for sequence, prompt, continuation in zip(sequences, prompts, continuations, strict=True):
         output = speculative_generate(

@@ -252,7 +252,6 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
     def loss_and_grads(attn_implementation: str, loss_implementation: str, recompute: str = "") -> tuple:
         drafter.config.attn_implementation = attn_implementation
         drafter.config.recompute_mlp = "mlp" in recompute
-        drafter.config.recompute_logits = "logits" in recompute
         out = ttt_loss(drafter, target_head, batch, loss_implementation=loss_implementation)
         return out, torch.autograd.grad(out.loss, params)
 
@@ -268,8 +267,6 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
             ("eager", "fused"),
             ("sdpa", "fused"),
             ("sdpa", "fused", "mlp"),
-            ("sdpa", "fused", "logits"),
-            ("sdpa", "fused", "mlp+logits"),
         ]:
             out, grads = loss_and_grads(*variant)
             torch.testing.assert_close(out.loss, reference.loss, rtol=1e-6, atol=1e-6)
@@ -280,7 +277,7 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
     # The fused head's weight gradient, summed over the steps in forward, follows the caller's factor on the loss.
-    drafter.config.recompute_mlp = drafter.config.recompute_logits = False
+    drafter.config.recompute_mlp = False
     out = ttt_loss(drafter, target_head, batch)
     (scaled,) = torch.autograd.grad(out.loss * 3.0, [drafter.lm_head.weight])
     torch.testing.assert_close(
@@ -315,7 +312,7 @@ def test_fused_and_recomputing_paths_give_the_eager_loss_and_gradients_on_cuda_i
     params = [p for p in drafter.parameters() if p.requires_grad]
 
     def loss_and_grads(recompute: bool, loss_implementation: str = "fused") -> tuple:
-        drafter.config.recompute_mlp = drafter.config.recompute_logits = recompute
+        drafter.config.recompute_mlp = recompute
         with autocast(device):
             out = ttt_loss(drafter, target_head, batch, loss_implementation=loss_implementation)
         return out, torch.autograd.grad(out.loss, params)

@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 from services.trainer import cli as trainer_cli
 from services.trainer import drafter as drafter_module
 from services.trainer import export
-from services.trainer import loss as loss_module
 from services.trainer import step as step_module
 from services.trainer.config import TrainConfig
 from services.trainer.data import IncompatibleJob, heldout_shards
@@ -145,17 +144,14 @@ def test_recomputing_in_backward_trains_the_same_steps(
         return call
 
     monkeypatch.setattr(drafter_module, "checkpoint", counted("mlp", drafter_module.checkpoint))
-    head = loss_module.recomputed_head_soft_cross_entropy
-    monkeypatch.setattr(loss_module, "recomputed_head_soft_cross_entropy", counted("logits", head))
     settings = settings_for(extracted_job.storage_url, tmp_path)
     run = {"max_steps": 4, "checkpoint_every": 100}
     kept = train(config(extracted_job.job_id, run_name="kept", **run), settings=settings)
     assert not calls
     recomputed = train(
-        config(extracted_job.job_id, run_name="recomputed", recompute_mlp=True, recompute_logits=True, **run),
-        settings=settings,
+        config(extracted_job.job_id, run_name="recomputed", recompute_mlp=True, **run), settings=settings
     )
-    assert calls["mlp"] and calls["logits"]  # the flags reached the drafter and the loss
+    assert calls["mlp"]  # the flag reached the drafter
     assert len(recomputed["history"]) == len(kept["history"]) == 4
     for a, b in zip(kept["history"], recomputed["history"], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
@@ -165,9 +161,9 @@ def test_recomputing_in_backward_trains_the_same_steps(
 def test_a_micro_batch_out_of_gpu_memory_trains_again_keeping_less_for_backward(
     extracted_job: ExtractedJob, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The GPU's answer to a micro-batch that does not fit, as torch raises it, until both recompute flags are on.
-    def needs_both_flags(drafter: Any, *args: Any, **kwargs: Any) -> Any:
-        if not (drafter.config.recompute_mlp and drafter.config.recompute_logits):
+    # The GPU's answer to a micro-batch that does not fit, as torch raises it, until the MLP is recomputed.
+    def needs_recomputation(drafter: Any, *args: Any, **kwargs: Any) -> Any:
+        if not drafter.config.recompute_mlp:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
         return real_loss(drafter, *args, **kwargs)
 
@@ -175,18 +171,18 @@ def test_a_micro_batch_out_of_gpu_memory_trains_again_keeping_less_for_backward(
     settings = settings_for(extracted_job.storage_url, tmp_path)
     run = {"max_steps": 3, "checkpoint_every": 100}
     fits = train(config(extracted_job.job_id, run_name="fits", **run), settings=settings)
-    monkeypatch.setattr(step_module, "ttt_loss", needs_both_flags)
+    monkeypatch.setattr(step_module, "ttt_loss", needs_recomputation)
     recovered = train(config(extracted_job.job_id, run_name="recovered", **run), settings=settings)
 
-    # The first step gave up the MLP's activations, then the logits', and trained the same micro-batches again:
-    # the run is the one that fitted, step for step.
+    # The first step gave up the MLP's activations and trained the same micro-batches again: the run is the one that
+    # fitted, step for step.
     switched = recovered["recomputation_after_out_of_memory"]
-    assert [(s["step"], s["flag"]) for s in switched] == [(0, "recompute_mlp"), (0, "recompute_logits")], switched
+    assert [(s["step"], s["flag"]) for s in switched] == [(0, "recompute_mlp")], switched
     assert all(s["tokens"] > 0 for s in switched)
     assert [h["loss"] for h in recovered["history"]] == pytest.approx([h["loss"] for h in fits["history"]], rel=1e-4)
     assert fits["recomputation_after_out_of_memory"] == []
 
-    # With both already on there is nothing left to give up: the run stops, saying what to change.
+    # With it already on there is nothing left to give up: the run stops, saying what to change.
     def never_fits(*args: Any, **kwargs: Any) -> Any:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
@@ -194,10 +190,10 @@ def test_a_micro_batch_out_of_gpu_memory_trains_again_keeping_less_for_backward(
     with pytest.raises(
         ConfigurationError,
         match=r"out of GPU memory at \d+ tokens a micro-batch with "
-        r"--recompute-mlp --recompute-logits: train with a smaller --batch-tokens",
+        r"--recompute-mlp: train with a smaller --batch-tokens",
     ):
         train(
-            config(extracted_job.job_id, run_name="too-big", recompute_mlp=True, recompute_logits=True, **run),
+            config(extracted_job.job_id, run_name="too-big", recompute_mlp=True, **run),
             settings=settings,
         )
 
