@@ -22,8 +22,8 @@ export is it, filtered).
 3. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
    median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
    of memory on one side is named in the table; the other side is still measured. Each side starts from a GPU that
-   holds nothing of the side before (garbage collected, checked: `allocated_before_gib`), and each step's batch goes
-   to the GPU in the step on both sides.
+   holds nothing of the side before (garbage collected, and what is still allocated is recorded: `allocated_before_gib`,
+   part of that side's peak), with its two batches on the GPU before its steps.
 
     python -m bench.vs_specforge --dims llama3-8b --shapes 1x2048 4x2048 1x8192 2x16384 --out vs_specforge.json
 
@@ -169,6 +169,10 @@ def loss_agreement(models: Models, batch: Batch, *, device: torch.device, attent
     theirs = specforge.forward(batch, device)
     their_sums = [float(loss) * B * T for loss in theirs.metrics["plosses"]]
     their_accuracies = [float(a) for a in theirs.metrics["acces"]]
+    # Its fp32 models leave the GPU here, whatever still refers to them: on an H100 (2026-12-06) something kept them
+    # (5.6 GiB) through the rest of the command, in every later side's memory, though garbage was collected.
+    specforge.draft_model.cpu()
+    specforge.target_head.cpu()
     del specforge, theirs
 
     drafter = models.drafter.to(device)
@@ -333,9 +337,9 @@ def measure_ours(
     before = settle(device)
     with ours_as(models, variant, device) as drafter:
         step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps + 1)
-        # Each step's batch goes to the GPU in the step, as SpecForge's does (and as the trainer's loader feeds it).
+        on_device = [b.to(device) for b in batches]  # as on SpecForge's side: the step, not the copy, is timed
         result = timed_steps(
-            lambda i: step(batches[i % len(batches)].to(device)),
+            lambda i: step(on_device[i % len(on_device)]),
             device=device,
             warmup=warmup,
             steps=steps,
@@ -402,8 +406,10 @@ def measure_specforge(
     specforge = SpecForgeStep(models, device=device, dtype=dtype, attention_backend=attention_backend)
     optimizer = BF16Optimizer(specforge.draft_model, lr=1e-4, max_grad_norm=0.5, total_steps=warmup + steps + 1)
 
+    on_device = [b.to(device) for b in batches]  # as on our side: the step, not the copy, is timed
+
     def step(i: int) -> None:
-        out = specforge.forward(batches[i % len(batches)], device)
+        out = specforge.forward(on_device[i % len(on_device)], device)
         out.loss.backward()
         optimizer.step()
 
@@ -434,8 +440,13 @@ def against(theirs: dict, ours: dict) -> dict:
         return {}
     ratios = {"speedup": theirs["step_s"] / ours["step_s"]}
     if ours["peak_gib"] is not None:
-        ratios["memory_ratio"] = ours["peak_gib"] / theirs["peak_gib"]
+        # Each side's own peak: what was still allocated when it started (nothing of its own) left out.
+        ratios["memory_ratio"] = own_peak(ours) / own_peak(theirs)
     return ratios
+
+
+def own_peak(result: dict) -> float:
+    return result["peak_gib"] - (result.get("allocated_before_gib") or 0.0)
 
 
 def row(name: str, tokens: int, result: dict) -> str:
