@@ -88,9 +88,9 @@ class TrainConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto", description="where to train")
     recompute_mlp: bool = Field(
         default=False,
-        description="compute each step's MLP activations again in backward instead of keeping them: 0.6x the "
-        "activations kept per token for about a sixth more compute; for long sequences (a run on one GPU switches "
-        "it on by itself when a micro-batch runs out of memory)",
+        description="compute each step's MLP activations again in backward instead of keeping them: 0.70-0.78x the "
+        "step's peak memory at Llama-3.1-8B dims for 0.94x the speed with the compiled backbone (about 0.8x eagerly); "
+        "for long sequences (a run on one GPU switches it on by itself when a micro-batch runs out of memory)",
     )
     compile_backbone: bool | None = Field(
         default=None,
