@@ -608,6 +608,7 @@ class Eagle3Drafter(nn.Module):
         # t2d: bool  [V_target]  True where the target token is in the draft vocabulary
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.backbone_compiled = False  # compile_backbone() sets it
         self.init_weights()
 
     @torch.no_grad()
@@ -662,14 +663,30 @@ class Eagle3Drafter(nn.Module):
         position_ids: Tensor,
         cache: KVCache | TTTCache | None = None,
         attention_mask: Tensor | None = None,
+        weights: dict[str, Tensor] | None = None,
     ) -> Tensor:
         """One pass of the midlayer: (B, T, H) embeddings and hidden states -> (B, T, H), pre-norm.
 
         position_ids [B, T] (or [1, T]). cache: None for a standalone causal pass, a `KVCache` to decode
         incrementally, a `TTTCache` to unroll the training-time test. attention_mask: optional bool, True = may
         attend, broadcastable to [B, 1, T, S] (over step 0's block [.., T, T] with a TTTCache); default causal.
+        weights: the midlayer's weights to use instead of its own, by name (`backbone_weights`).
         """
-        return self.midlayer(input_embeds, hidden_states, position_ids, cache, attention_mask)
+        args = (input_embeds, hidden_states, position_ids, cache, attention_mask)
+        if weights:
+            return torch.func.functional_call(self.midlayer, weights, args)
+        return self.midlayer(*args)
+
+    def backbone_weights(self) -> dict[str, Tensor]:
+        """The midlayer's projection weights cast to the autocast dtype once, for all the unrolled steps of one loss,
+        when the backbone is compiled and trains under autocast; else none. Eagerly, autocast casts each weight once
+        for all the steps and keeps that copy for backward; a compiled graph casts (and keeps) its own copy at every
+        call, 7 copies of 0.45 GiB at Llama-3.1-8B dims. Given the cast ones, every call keeps the same copy."""
+        device_type = self.fc.weight.device.type
+        if not (self.backbone_compiled and torch.is_grad_enabled() and torch.is_autocast_enabled(device_type)):
+            return {}
+        dtype = torch.get_autocast_dtype(device_type)
+        return {name: w.to(dtype) for name, w in self.midlayer.named_parameters() if w.dim() == 2}
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         # Training's fused loss computes the same from `norm` and `lm_head.weight` (loss._HeadSoftCrossEntropy).
@@ -686,6 +703,7 @@ class Eagle3Drafter(nn.Module):
         options = {"dynamic": True, **options}
         self.midlayer.compile(**options)
         self.norm.compile(**options)
+        self.backbone_compiled = True
 
 
 class TargetHead(nn.Module):

@@ -267,6 +267,7 @@ def ttt_loss(
     position_ids = torch.arange(T, device=device).expand(B, T)
     # Right padding needs no extra mask: under the causal prefix no real row ever sees a padded key.
     cache = TTTCache()
+    weights = drafter.backbone_weights()  # cast once for all steps where a compiled backbone would cast at each
 
     # Step 3: unroll. Each step appends its keys to the cache, so step i attends steps 0..i (the TTT mask).
     zero = torch.zeros((), device=device)
@@ -282,7 +283,7 @@ def ttt_loss(
 
         # Step 3.1: row t takes token t+1+i (EAGLE's shift of one, plus one per step) at position t+i.
         input_embeds = drafter.embed_input_ids(shift_left(batch.input_ids, 1 + i))  # (B, T, H)
-        hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache)  # (B, T, H), fed forward
+        hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache, weights=weights)  # fed forward
 
         # Step 3.2: the rows that have a target.
         teacher = target_p[:, 1 + i : 1 + i + rows]  # (B, rows, V_draft) distribution of x_{t+2+i}

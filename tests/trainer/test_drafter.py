@@ -1,6 +1,7 @@
 """The drafter: shapes from the target, frozen shared embedding, vocab mapping, and the two attention layouts
 (decoding KV cache and training-time test) agreeing with the plain full-sequence pass."""
 
+import copy
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -525,4 +526,38 @@ def test_recomputed_mlp_gives_the_same_unroll_and_keeps_less(compiled: bool) -> 
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     if not compiled:  # compiled graphs keep what their partitioner chooses
         assert saved[1] < 0.8 * saved[0], saved
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow  # torch.compile takes most of a minute on 2 cores
+@pytest.mark.parametrize("recompute_mlp", [False, True], ids=["kept", "recompute_mlp"])
+def test_compiled_backbone_under_autocast_shares_one_cast_of_its_weights(recompute_mlp: bool) -> None:
+    from bench.trainer_throughput import random_models
+    from bench.vs_specforge import DIMS, random_batch
+    from services.trainer.loss import ttt_loss
+
+    drafter, target_head = random_models(DIMS["tiny"])
+    drafter.config.recompute_mlp = recompute_mlp
+    batch = random_batch(DIMS["tiny"], 2, 24, seed=1)
+
+    def loss_and_grads(model: Eagle3Drafter) -> list[torch.Tensor]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ttt_loss(model, target_head, batch).loss
+        return [loss, *torch.autograd.grad(loss, params)]
+
+    assert drafter.backbone_weights() == {}  # eager: autocast's own cache shares one cast
+    reference = loss_and_grads(drafter)
+    torch._dynamo.reset()
+    compiled = copy.deepcopy(drafter)
+    compiled.compile_backbone(backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = compiled.backbone_weights()
+    midlayer_matrices = {name for name, w in compiled.midlayer.named_parameters() if w.dim() == 2}
+    assert set(cast) == midlayer_matrices and all(w.dtype == torch.bfloat16 for w in cast.values())
+    assert compiled.backbone_weights() == {}  # outside autocast: nothing to cast
+    got = loss_and_grads(compiled)
+    for actual, expected in zip(got, reference, strict=True):
+        # Both accumulate the steps' gradients of a weight on its one bf16 copy, as eager autocast does.
+        assert (actual.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
     torch._dynamo.reset()
