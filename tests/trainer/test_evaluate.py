@@ -63,6 +63,7 @@ class OracleDrafter(Eagle3Drafter):
         position_ids: Tensor,
         cache: KVCache | TTTCache | None = None,
         attention_mask: Tensor | None = None,
+        weights: dict[str, Tensor] | None = None,
     ) -> Tensor:
         self.positions = position_ids.expand(input_embeds.shape[:2])
         self.rows_from_start = isinstance(cache, TTTCache)  # the loss takes logits of the first rows, decoding the last
