@@ -531,18 +531,27 @@ def test_recomputed_mlp_gives_the_same_unroll_and_keeps_less(compiled: bool) -> 
 
 @pytest.mark.slow  # torch.compile takes most of a minute on 2 cores
 @pytest.mark.parametrize("recompute_mlp", [False, True], ids=["kept", "recompute_mlp"])
-def test_compiled_backbone_under_autocast_shares_one_cast_of_its_weights(recompute_mlp: bool) -> None:
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [
+        ("cpu", "aot_eager"),
+        pytest.param("cuda", "inductor", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+    ],
+)
+def test_compiled_backbone_under_autocast_shares_one_cast_of_its_weights(
+    device: str, backend: str, recompute_mlp: bool
+) -> None:
     from bench.trainer_throughput import random_models
     from bench.vs_specforge import DIMS, random_batch
     from services.trainer.loss import ttt_loss
 
-    drafter, target_head = random_models(DIMS["tiny"])
+    drafter, target_head = (model.to(device) for model in random_models(DIMS["tiny"]))
     drafter.config.recompute_mlp = recompute_mlp
-    batch = random_batch(DIMS["tiny"], 2, 24, seed=1)
+    batch = random_batch(DIMS["tiny"], 2, 24, seed=1).to(device)
 
     def loss_and_grads(model: Eagle3Drafter) -> list[torch.Tensor]:
         params = [p for p in model.parameters() if p.requires_grad]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = ttt_loss(model, target_head, batch).loss
         return [loss, *torch.autograd.grad(loss, params)]
 
@@ -550,8 +559,8 @@ def test_compiled_backbone_under_autocast_shares_one_cast_of_its_weights(recompu
     reference = loss_and_grads(drafter)
     torch._dynamo.reset()
     compiled = copy.deepcopy(drafter)
-    compiled.compile_backbone(backend="aot_eager")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    compiled.compile_backbone(backend=backend)
+    with torch.autocast(device, dtype=torch.bfloat16):
         cast = compiled.backbone_weights()
     midlayer_matrices = {name for name, w in compiled.midlayer.named_parameters() if w.dim() == 2}
     assert set(cast) == midlayer_matrices and all(w.dtype == torch.bfloat16 for w in cast.values())
