@@ -106,6 +106,18 @@ def random_batch(shape: Shape, batch_size: int, seq_len: int, seed: int) -> Batc
 # SpecForge's side, built from its own classes
 
 
+def import_specforge() -> None:
+    """SpecForge's modules, imported first thing in `main`. Importing them keeps the importing frames alive, and with
+    them (through each frame's caller) their locals: imported first in SpecForgeStep's constructor, the loss check's
+    fp32 models (5.6 GiB on an H100) stayed on the GPU through every later side's measurement."""
+    import specforge.algorithms.eagle3.model
+    import specforge.modeling.draft.llama3_eagle
+    import specforge.modeling.target.target_head
+    import specforge.optimizer
+    import specforge.runtime.contracts
+    import specforge.training.strategies.base  # noqa: F401
+
+
 class SpecForgeStep:
     """SpecForge's draft model, TTT model, strategy and target head over our drafter's weights."""
 
@@ -169,10 +181,6 @@ def loss_agreement(models: Models, batch: Batch, *, device: torch.device, attent
     theirs = specforge.forward(batch, device)
     their_sums = [float(loss) * B * T for loss in theirs.metrics["plosses"]]
     their_accuracies = [float(a) for a in theirs.metrics["acces"]]
-    # Its fp32 models leave the GPU here, whatever still refers to them: on an H100 (2026-12-06) something kept them
-    # (5.6 GiB) through the rest of the command, in every later side's memory, though garbage was collected.
-    specforge.draft_model.cpu()
-    specforge.target_head.cpu()
     del specforge, theirs
 
     drafter = models.drafter.to(device)
@@ -486,6 +494,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here (after every shape)")
     args = parser.parse_args()
+    import_specforge()
 
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
