@@ -315,10 +315,9 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
 
 
 def settle(device: torch.device) -> dict[str, float]:
-    """GiB allocated on the GPU before and after collecting garbage (0 on the CPU). Each side is measured from a GPU
-    that holds nothing of the side before: the objects of a side (SpecForge's modules, a compiled drafter) can keep
-    one another alive in reference cycles, which only the collector frees, and until then their memory would count in
-    the next side's peak."""
+    """GiB allocated on the GPU before and after collecting garbage (0 on the CPU), before a side starts. What a side
+    before it left in reference cycles is freed (only the collector frees those), and what is still allocated then is
+    recorded: it is in this side's peak without being its own."""
     if device.type != "cuda":
         gc.collect()
         return {"allocated_uncollected_gib": 0.0, "allocated_before_gib": 0.0}
@@ -525,13 +524,11 @@ def main() -> None:
 
     # Our default (compiled on CUDA) and each variant against the readable reference, the eager backbone with the
     # eager loss (autograd through the logits): every weight's gradient.
-    checked = [name for name in (OURS_DEFAULT, *args.ours_variants) if name != OURS_REFERENCE]
     reference = ttt_gradients(
         models, agreement_batch, device=device, variant=OURS_REFERENCE, loss_implementation="eager"
     )
-    checked.append(OURS_REFERENCE)
     report["gradient_agreement"] = {}
-    for name in dict.fromkeys(checked):
+    for name in dict.fromkeys((OURS_DEFAULT, *args.ours_variants, OURS_REFERENCE)):
         got = ttt_gradients(models, agreement_batch, device=device, variant=name)
         report["gradient_agreement"][name] = check = compare_gradients(reference, got)
         verdict = "agree" if check["agree"] else "DISAGREE: its rows below are not a measure"
