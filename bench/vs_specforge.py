@@ -311,7 +311,9 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
         yield drafter
     finally:
         drafter.config.recompute_mlp = False
-        drafter.cpu()  # a compiled copy's weights and optimizer state leave the GPU even if a cache still holds it
+        # The weights (a compiled copy's too, whatever still refers to it) leave the GPU to the next side.
+        for model in (drafter, models.drafter, models.target_head):
+            model.cpu()
 
 
 def settle(device: torch.device) -> dict[str, float]:
@@ -352,10 +354,7 @@ def measure_ours(
             steps=steps,
             origins=OURS_ORIGINS if breakdown else (),
         )
-    # The shared weights leave the GPU to SpecForge's side (the optimizer state goes with this call).
-    models.drafter.cpu()
-    models.target_head.cpu()
-    return result | before
+    return result | before  # the optimizer state goes with this call
 
 
 def ttt_gradients(
@@ -374,8 +373,6 @@ def ttt_gradients(
         params = {name: p for name, p in drafter.named_parameters() if p.requires_grad}
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).cpu() for name, p in params.items()}
         drafter.zero_grad(set_to_none=True)
-    models.drafter.cpu()
-    models.target_head.cpu()
     return grads
 
 

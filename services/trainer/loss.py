@@ -293,15 +293,15 @@ def ttt_loss(
 
         # Step 3.3: their logits, and the soft cross-entropy against the teacher, mean over counted rows; each step's
         # term in the loss weighted by step_decay**i (EAGLE-3's 0.8**i: later steps matter less).
-        weight = step_decay**i / step_counted[i].clamp(min=1)
+        step_weight = step_decay**i / step_counted[i].clamp(min=1)
         if head_gradient is not None:
             terms[i], proposed = head_soft_cross_entropy(
-                drafter, hidden[:, :rows], teacher, learnable, weight, head_gradient
+                drafter, hidden[:, :rows], teacher, learnable, step_weight, head_gradient
             )
         else:
             logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
             cross_entropy_sum, proposed = soft_cross_entropy(logits, teacher, learnable)  # (), (B, rows) draft ids
-            terms[i] = cross_entropy_sum * weight
+            terms[i] = cross_entropy_sum * step_weight
 
         # Step 3.4: top-1 agreement in target ids, what greedy verification would accept.
         with torch.no_grad():
