@@ -30,7 +30,8 @@ def random_llama_8b(out_dir: Path, *, weights: bool = True) -> Path:
     from tests.builders import build_tiny_llama
 
     build_tiny_llama(out_dir)  # the tokenizer; its model files are replaced below
-    config = LlamaConfig(**LLAMA_31_8B, torch_dtype="bfloat16")
+    # The architecture named as a saved model names it: servers pick their model class by it.
+    config = LlamaConfig(**LLAMA_31_8B, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
     if not weights:
         for tiny_weights in out_dir.glob("*.safetensors*"):
             tiny_weights.unlink()
