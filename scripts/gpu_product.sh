@@ -304,7 +304,7 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     # A whole extraction job at Llama-3.1-8B shape (random weights) through the stack, against the same SGLang
     # server's own prefill of the same sequences (bench/stack_extract): 192 prompts of 2,048 tokens, 3 repeats.
     timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m bench.stack_extract --model llama-3.1-8b-random --prompts 192 \
-      --prompt-tokens 2048 --sglang --sglang-args "$DEVICE_ARGS ${STACK_ARGS:-}" --repeats 3 \
+      --prompt-tokens 2048 --sglang --sglang-args "$DEVICE_ARGS ${STACK_ARGS:-}" --repeats "${STACK_REPEATS:-3}" \
       --work-dir /tmp/stack_extract --json "$OUTD/stack_extract.json" > "$OUTD/stack_extract.log" 2>&1
     rc=$?; tail -n 30 "$OUTD/stack_extract.log"
     [ $rc = 0 ] || exit $rc ;;

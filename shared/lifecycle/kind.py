@@ -105,6 +105,12 @@ class Target:
     def hidden_size(self) -> int:
         return int(self.config["hidden_size"])
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (its embedding and logit rows), as a server reports it: the tokenizer's own count
+        can be smaller (padded embeddings) or, with a tokenizer shared across model sizes, unrelated."""
+        return int(self.config["vocab_size"])
+
     @classmethod
     def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
         config = json.loads((path / "config.json").read_text())
@@ -117,7 +123,7 @@ class Target:
             architecture=(self.config.get("architectures") or ["unknown"])[0],
             num_hidden_layers=self.num_hidden_layers,
             hidden_size=self.hidden_size,
-            vocab_size=self.tokenizer.vocab_size,
+            vocab_size=self.vocab_size,
             template_hash=self.tokenizer.template_hash,
         )
 

@@ -166,7 +166,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
         items = accepted
         per_token = bytes_per_token(target.hidden_size, spec.storage_dtype)
         tokens_total = sum(s.num_tokens for s in items)
-        target_vocab = target.tokenizer.vocab_size
+        target_vocab = target.vocab_size
         mapping = build_vocab_mapping(
             count_loss_tokens(items),
             target_vocab_size=target_vocab,
