@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from services.trainer.loss import Batch
 from shared.capture.protocol import NUM_AUX_LAYERS
+from shared.data.model_assets import language_model_config
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
 from shared.lifecycle import followers, progress
 from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
@@ -95,10 +96,11 @@ class TargetSignature:
     @classmethod
     def from_model_config(cls, config: dict[str, Any], aux_layer_ids: list[int]) -> "TargetSignature":
         """From the target's Hugging Face config.json and the aux layer ids the drafter consumes."""
+        language_model = language_model_config(config)
         return cls(
             aux_layer_ids=tuple(aux_layer_ids),
-            hidden_size=int(config["hidden_size"]),
-            num_hidden_layers=int(config["num_hidden_layers"]),
+            hidden_size=int(language_model["hidden_size"]),
+            num_hidden_layers=int(language_model["num_hidden_layers"]),
             architecture=(config.get("architectures") or ["unknown"])[0],
         )
 

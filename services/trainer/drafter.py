@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from shared.capture.protocol import NUM_AUX_LAYERS
+from shared.data.model_assets import language_model_config
 from shared.data.vocab import VocabMapping
 from shared.errors import ConfigurationError
 
@@ -112,7 +113,7 @@ class DrafterConfig:
         cls, target_config: dict, *, draft_vocab_size: int, aux_layer_ids: list[int]
     ) -> "DrafterConfig":
         """The drafter's shape from the target's `config.json`: one decoder layer as wide as the target's."""
-        text_config = target_config.get("text_config") or target_config  # multimodal configs nest the LM
+        text_config = language_model_config(target_config)
         num_layers = text_config["num_hidden_layers"]
         if any(not 0 <= layer_id < num_layers for layer_id in aux_layer_ids):
             raise ConfigurationError(f"aux_layer_ids {aux_layer_ids} outside the target's {num_layers} layers")
@@ -718,10 +719,10 @@ class TargetHead(nn.Module):
     @classmethod
     def from_pretrained(cls, target_path: Path, *, dtype: torch.dtype = torch.float32) -> "TargetHead":
         config = read_target_config(target_path)
-        text_config = config.get("text_config") or config
-        names = ["lm_head.weight"]
+        text_config = language_model_config(config)
+        names = list(_HEAD_NAMES)
         if text_config.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
-            names.append(_EMBEDDING_NAME)  # tied heads are stored once, as the embedding
+            names += _EMBEDDING_NAMES  # tied heads are stored once, as the embedding
         weight = _read_tensor(target_path, names)
         assert weight.shape == (text_config["vocab_size"], text_config["hidden_size"]), weight.shape
         return cls(weight.to(dtype))
@@ -733,7 +734,15 @@ class TargetHead(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # Loading from the target's Hugging Face folder (safetensors only, one tensor at a time)
 
-_EMBEDDING_NAME = "model.embed_tokens.weight"
+# The target's tensors the drafter reads, by the names a checkpoint may store them under: a causal LM's own, then a
+# multimodal model's language model as transformers 5 saves it and as released checkpoints (Llama 4) store it.
+_EMBEDDING_NAMES = [
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+]
+_HEAD_NAMES = ["lm_head.weight", "language_model.lm_head.weight"]
+_FINAL_NORM_NAMES = ["model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight"]
 
 
 def read_target_config(target_path: Path) -> dict:
@@ -763,12 +772,12 @@ def _read_tensor(target_path: Path, names: list[str]) -> Tensor:
 
 def load_target_embeddings(target_path: Path) -> Tensor:
     """The target's token embedding [V_target, H_t], read from safetensors without loading the model."""
-    return _read_tensor(target_path, [_EMBEDDING_NAME])
+    return _read_tensor(target_path, _EMBEDDING_NAMES)
 
 
 def load_target_final_norm(target_path: Path) -> Tensor:
     """The weight of the target's final RMSNorm [H_t], the norm its lm_head reads after."""
-    return _read_tensor(target_path, ["model.norm.weight", "model.language_model.norm.weight"])
+    return _read_tensor(target_path, _FINAL_NORM_NAMES)
 
 
 def build_drafter(

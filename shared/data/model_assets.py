@@ -19,7 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from shared.errors import ConfigurationError
 from shared.settings import get_settings
@@ -31,6 +31,12 @@ SMOLLM2_FOLDER = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = "eagle3-converted.json"
 _MARKER_VERSION = 1
+
+
+def language_model_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a target's config.json: multimodal models (Llama 4, Gemma 3, Qwen2.5-VL) nest
+    it under `text_config`, whose hidden size, layers and vocabulary are what is captured and drafted."""
+    return cast(dict[str, Any], config.get("text_config") or config)
 
 
 def ensure_smollm2(cache_dir: Path) -> Path:

@@ -30,6 +30,7 @@ from redis.typing import EncodableT, FieldT
 
 from shared.capture.protocol import ModelInfo, default_aux_layer_ids
 from shared.data.datasets import Conversation
+from shared.data.model_assets import language_model_config
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ModelMismatch
 from shared.lifecycle.queue import task_name
@@ -99,23 +100,25 @@ class Target:
 
     @property
     def num_hidden_layers(self) -> int:
-        return int(self.config["num_hidden_layers"])
+        return int(language_model_config(self.config)["num_hidden_layers"])
 
     @property
     def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
+        return int(language_model_config(self.config)["hidden_size"])
 
     @property
     def vocab_size(self) -> int:
         """The model's vocabulary (its embedding and logit rows), as a server reports it: the tokenizer's own count
         can be smaller (padded embeddings) or, with a tokenizer shared across model sizes, unrelated."""
-        return int(self.config["vocab_size"])
+        return int(language_model_config(self.config)["vocab_size"])
 
     @classmethod
     def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
         config = json.loads((path / "config.json").read_text())
-        ids = aux_layer_ids or default_aux_layer_ids(int(config["num_hidden_layers"]))
-        return cls(path=path, config=config, tokenizer=tokenizer, aux_layer_ids=ids)
+        layers = int(language_model_config(config)["num_hidden_layers"])
+        return cls(
+            path=path, config=config, tokenizer=tokenizer, aux_layer_ids=aux_layer_ids or default_aux_layer_ids(layers)
+        )
 
     def record(self) -> ModelRecord:
         return ModelRecord(

@@ -34,6 +34,7 @@ import redis
 from shared.capture.client import InferenceClient
 from shared.capture.protocol import ModelInfo, default_aux_layer_ids
 from shared.data.datasets import InvalidRecord, read_dataset
+from shared.data.model_assets import language_model_config
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import Eagle3Error, InvalidSample
 from shared.lifecycle import jobs, progress, shards
@@ -80,7 +81,7 @@ class Target:
 
     @classmethod
     def from_model(cls, model_path: Path, aux_layer_ids: list[int] | None) -> "Target":
-        config = json.loads((model_path / "config.json").read_text())
+        config = language_model_config(json.loads((model_path / "config.json").read_text()))
         layers = config["num_hidden_layers"]
         return cls(
             model_path=model_path,
