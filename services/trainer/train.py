@@ -453,7 +453,7 @@ class Trainer:
 
     def _keep_less_for_backward(self, error: StepOutOfMemory, batches: list[Batch | None]) -> None:
         """After a micro-batch ran out of GPU memory: from now on recompute each unrolled step's MLP in backward
-        (what --recompute-mlp does: 0.70-0.78x the step's peak at Llama-3.1-8B dims for 0.94x the speed, compiled),
+        (what --recompute-mlp does: 32,768 tokens in 37.4 GiB at Llama-3.1-8B dims, for 0.94x the speed compiled),
         and the same micro-batches train again. A run of several ranks cannot retry one rank's step alone, and one
         that keeps as little as it can has nothing left to give up: those stop, saying what to change."""
         drafter_config = self.drafter.config
