@@ -4,7 +4,9 @@ multimodal model whose language model is nested (`text_config`, tensors under `l
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,15 +33,20 @@ CONVERSATION = Conversation(
 )
 
 
+def copy_with_config(model_dir: Path, out: Path, rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> Path:
+    """A copy of the model folder whose config.json is `rewrite` of the original's."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(rewrite(config)))
+    return out
+
+
 def test_an_extraction_is_planned_for_the_models_vocabulary_not_the_tokenizers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """What an inference server reports, and what the drafter's t2d has one entry per."""
-    model_dir = tmp_path / "padded"
-    shutil.copytree(tiny_model_dir, model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    rows = config["vocab_size"] = 4 * ChatTokenizer.from_pretrained(model_dir).vocab_size
-    (model_dir / "config.json").write_text(json.dumps(config))
+    rows = 4 * ChatTokenizer.from_pretrained(tiny_model_dir).vocab_size
+    model_dir = copy_with_config(tiny_model_dir, tmp_path / "padded", lambda config: {**config, "vocab_size": rows})
 
     target = Target.load(model_dir, ChatTokenizer.from_pretrained(model_dir), None)
     kind, spec = Extract(), JobSpec(dataset_url="-", draft_vocab_size=64)
@@ -56,15 +63,13 @@ def test_a_multimodal_targets_language_model_is_read_from_its_nested_config_and_
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """As Llama 4's released checkpoints store it: config under `text_config`, tensors under `language_model.`."""
-    model_dir = tmp_path / "multimodal"
-    shutil.copytree(tiny_model_dir, model_dir)
-    text_config = json.loads((model_dir / "config.json").read_text())
+    text_config = json.loads((tiny_model_dir / "config.json").read_text())
     config = {
         "architectures": ["Llama4ForConditionalGeneration"],
         "text_config": text_config,
         "vision_config": {"hidden_size": 32},
     }
-    (model_dir / "config.json").write_text(json.dumps(config))
+    model_dir = copy_with_config(tiny_model_dir, tmp_path / "multimodal", lambda _: config)
     (weights_file,) = model_dir.glob("*.safetensors")
     tensors = load_file(weights_file)
     save_file({f"language_model.{name}": tensor for name, tensor in tensors.items()}, weights_file)
