@@ -72,7 +72,9 @@ def run_job(api: Any, spec: dict[str, Any]) -> dict[str, Any]:
         time.sleep(POLL_S)
     seen_finished_s = time.monotonic() - submitted
     if p.state != "completed":
-        raise SystemExit(f"job {job_id} ended {p.state}")
+        letters = check(api.get(f"/v1/jobs/{job_id}/details"))["dead_letters"]
+        reasons = "".join(f"\n  shard {d['shard_index']}: {d['error_type']}: {d['reason']}" for d in letters[:3])
+        raise SystemExit(f"job {job_id} ended {p.state}{reasons}")
     result = {
         "job_id": job_id,
         "samples": p.samples_done,
