@@ -174,7 +174,9 @@ print(next((n.split('/')[0] for n in names if re.fullmatch(r'[A-Za-z_]\w*/__init
       echo "installing ${missing[*]}"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${missing[@]}"
     fi
-    python3 -c "import eagle3.cli, services.worker.celery_app, services.producer.app; print('project imports ok')" ;;
+    # The whole stack's imports; with .gpu_trainer alone (no FastAPI) only the trainer's, so one line says which.
+    python3 -c "import eagle3.cli, services.worker.celery_app, services.producer.app; print('project imports ok')" \
+      2>&1 | tail -n 1 ;;
   fa3)
     # FA3's library from the parts kept from .gpu_fa3_* (scripts/gpu_fa3_carry.sh), into the installed sgl_kernel.
     [ -d "$SITE/sgl_kernel" ] || { echo "no $SITE/sgl_kernel: install SGLang first"; exit 1; }
