@@ -1,10 +1,11 @@
 """A whole extraction job through the stack against SGLang's own prefill of the same sequences, in one command.
 
 The stack runs as `eagle3 demo --gpu` runs it (producer API, Redis, --workers Celery workers, the capture server,
-local storage, states through shared memory). Each repeat submits the same extraction job through the API
-(--prompts records of about --prompt-tokens tokens: the benchmarks' random token ids as preformatted text), reads
-the job's own rate once it has completed (tokens committed over the time from its creation to its last commit, what
-`eagle3 progress` shows), and deletes it (a Llama-8B job stores 32 KB a token); then the server's own prefill (one
+local storage, states through shared memory). Each repeat submits the same extraction job through the API (--prompts
+records of about --prompt-tokens tokens: the benchmarks' random token ids as preformatted text), reads the job's own
+rate once it has completed (tokens committed over the time from its creation to its last commit, what `eagle3
+progress` shows), and deletes it (a Llama-8B job stores 32 KB a token); its shards are sized as a GPU job's should
+be, seconds of the server's work (--shard-tokens, default two shards per worker); then the server's own prefill (one
 new token) of the very sequences the job extracted, at the concurrency the workers keep in flight, on the same
 server with nothing in between. Repeats alternate the two, after one small job and prefill that warm the workers and
 the server; the table has the medians and their ratio.
@@ -19,6 +20,7 @@ dummy`, so the folder under --work-dir holds only the config and a tokenizer), s
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -95,7 +97,10 @@ def prefill(url: str, sequences: list[list[int]], concurrency: int) -> dict[str,
 
 
 def print_table(report: dict[str, Any]) -> None:
-    table = Table(title=f"extraction of {report['prompts']} prompts ({report['tokens']:,} tokens), {report['model']}")
+    table = Table(
+        title=f"extraction of {report['prompts']} prompts ({report['tokens']:,} tokens, shards of "
+        f"{report['shard_tokens']:,}), {report['model']}"
+    )
     for column in ("measure", "tokens/s (median)", "runs", "ratio"):
         table.add_column(column, justify="left" if column == "measure" else "right")
     job, engine = report["job_tokens_per_second"], report["prefill_tokens_per_second"]
@@ -122,6 +127,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--inference-concurrency", type=int, default=4, help="capture requests in flight per worker")
     parser.add_argument("--write-concurrency", type=int, default=8, help="sample writer threads per worker")
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        help="the job's shard size (default: two shards per worker, as a GPU job is sized: seconds of the server's "
+        "work each, where the API's default of 16,384 tokens is a fraction of a second of an 8B prefill)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="jobs and prefills, alternating")
     parser.add_argument("--sglang", action="store_true", help="SGLang with the capture plugin as the capture server")
     parser.add_argument("--sglang-python", default=sys.executable)
@@ -163,13 +174,21 @@ def main() -> None:
     inference_argv = None
     if args.sglang:
         inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *sglang_args]
-    spec = {"dataset_url": str(dataset), "model_path": str(model_dir), "max_length": max_length}
+    tokens = sum(len(s) for s in sequences)
+    shard_tokens = args.shard_tokens or math.ceil(tokens / (2 * args.workers))
+    spec = {
+        "dataset_url": str(dataset),
+        "model_path": str(model_dir),
+        "max_length": max_length,
+        "shard_token_budget": shard_tokens,
+    }
     concurrency = args.workers * args.inference_concurrency
     report: dict[str, Any] = {
         "model": args.model,
         "server": "sglang" if args.sglang else "reference",
         "prompts": len(sequences),
-        "tokens": sum(len(s) for s in sequences),
+        "tokens": tokens,
+        "shard_tokens": shard_tokens,
         "workers": args.workers,
         "inference_concurrency": args.inference_concurrency,
         "prefill_concurrency": concurrency,

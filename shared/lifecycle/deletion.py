@@ -180,12 +180,14 @@ def _wait_for_running_shards(client: redis.Redis, job_id: str, wait_s: float) ->
 
 
 def _delete_redis_keys(client: redis.Redis, job_id: str) -> int:
-    """The job's sets, stream, followers, leases, reservations and publishing checkpoint; how many keys went."""
+    """The job's sets, stream, followers, leases, reservations, publishing checkpoint and a reaper's look at it for
+    lost shards; how many keys went."""
     own = [
         progress.committed_key(job_id),
         progress.dead_key(job_id),
         progress.events_key(job_id),
         followers.followers_key(job_id),
+        recovery.lost_shards_check_key(job_id),
     ]
     mine = [lease for lease in leases.held(client) if lease.job_id == job_id]
     with client.pipeline() as pipe:

@@ -67,6 +67,14 @@ redis.call('ZADD', KEYS[2], tonumber(t[1]), ARGV[1])
 return 1
 """
 
+# KEYS: the job's hash, its look key; ARGV: the look's period in seconds. A job that a delete has marked (or removed)
+# since the reaper read it is not looked at: the key would outlive the delete, which removes the job's look key once.
+_CLAIM_LOOK = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'deleting') == '1' then return 0 end
+if redis.call('SET', KEYS[2], 1, 'NX', 'EX', tonumber(ARGV[1])) then return 1 end
+return 0
+"""
+
 # ARGV: job id. Entered before job.json is written, so that a submit dying after it leaves a publishing to take over.
 _BEGIN = """
 local t = redis.call('TIME')
@@ -84,6 +92,17 @@ for _, job_id in ipairs(stalled) do
 end
 return stalled
 """
+
+
+def lost_shards_check_key(job_id: str) -> str:
+    """The key saying a reaper looked at the job for lost shards in the current period (it expires by itself)."""
+    return f"{LOST_SHARDS_CHECK_PREFIX}{job_id}"
+
+
+def claim_look(client: redis.Redis, job_id: str, quiet_for_s: float) -> bool:
+    """Whether this reaper is the period's one to look at the job for lost shards; never for a job being deleted."""
+    period = max(1, round(quiet_for_s))
+    return bool(client.eval(_CLAIM_LOOK, 2, progress.job_key(job_id), lost_shards_check_key(job_id), period))
 
 
 def index_job(storage: Storage, job_id: str) -> None:
@@ -197,7 +216,7 @@ def resend_lost_shards(
     if in_broker is None:  # a long queue: its jobs are looked at once it has drained
         logger.info("%d quiet job(s) not looked at for lost shards: the queue is long", len(quiet))
         for job_id, _, _ in quiet:
-            client.delete(f"{LOST_SHARDS_CHECK_PREFIX}{job_id}")
+            client.delete(lost_shards_check_key(job_id))
         return []
     resent = []
     for job_id, kind, shards_total in quiet:
@@ -251,8 +270,7 @@ def _quiet_jobs(client: redis.Redis, quiet_for_s: float) -> list[tuple[str, str,
         last = newest if newest is not None else float(fields["created_ts"] or now)
         if now - last < quiet_for_s:
             continue
-        # One look a period at a job: the key expires by itself.
-        if client.set(f"{LOST_SHARDS_CHECK_PREFIX}{job_id}", 1, nx=True, ex=max(1, round(quiet_for_s))):
+        if claim_look(client, job_id, quiet_for_s):  # one look a period at a job
             quiet.append((job_id, kind, int(total)))
     return quiet
 

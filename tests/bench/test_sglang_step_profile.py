@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench import sglang_step_profile
 from bench.sglang_step_profile import read_trace, summarize_trace, unprofiled_step_ms
+from eagle3.engine_eval import Completion, timed_requests
 
 
 def test_a_real_trace_gives_one_step_per_decode_forward_and_leaves_out_the_prefill(tmp_path: Path) -> None:
@@ -126,9 +128,25 @@ def test_sglang_parses_the_profiles_launch_arguments_as_meant(setting: str | Non
         assert values["speculative_draft_load_format"] == "auto"
 
 
-def test_the_unprofiled_step_is_a_requests_time_less_its_first_token_over_its_steps(reference_server_url: str) -> None:
+def test_the_unprofiled_step_is_a_requests_time_less_its_first_token_over_its_steps(
+    reference_server_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The reference server speaks SGLang's /generate (without ignore_eos); its plain answers count no verifications,
     # so a step is a token after the first.
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    step_ms = unprofiled_step_ms(reference_server_url, prompts, max_new_tokens=6, ignore_eos=False)
-    assert step_ms is not None and 0 < step_ms < 2000
+    latencies, answers = timed_requests(reference_server_url, prompts, 6, ignore_eos=False)
+    assert len(latencies) == 2 and all(ms > 0 for ms in latencies)
+    assert [a.decoding_steps for a in answers] == [len(a.output_ids) - 1 for a in answers]
+    assert all(a.decoding_steps > 0 for a in answers)
+
+    # The arithmetic on fixed times (a live server's differences are noise-sized on a loaded 2-core machine): one-token
+    # requests of 10 and 12 ms, full ones of 40 and 52 ms of 5 steps each: (92 - 22) / 10 steps.
+    def fixed(
+        url: str, prompts: list[list[int]], max_new_tokens: int, *, ignore_eos: bool
+    ) -> tuple[list[float], list[Completion]]:
+        if max_new_tokens == 1:
+            return [10.0, 12.0], [Completion(output_ids=[1])] * 2
+        return [40.0, 52.0], [Completion(output_ids=[1] * 6)] * 2
+
+    monkeypatch.setattr(sglang_step_profile, "timed_requests", fixed)
+    assert unprofiled_step_ms(reference_server_url, prompts, max_new_tokens=6, ignore_eos=False) == 7.0

@@ -25,9 +25,10 @@ def test_the_job_and_the_prefill_measure_the_same_tokens(tiny_model_dir: Path, t
 
     assert report["server"] == "reference" and report["prompts"] == 6 and len(report["repeats"]) == 2
     assert report["tokens"] == 6 * 48  # every prompt exactly --prompt-tokens long
+    assert report["shard_tokens"] == 6 * 48 // 2  # two shards for the one worker
     for repeat in report["repeats"]:
         # Every record extracted, and the yardstick prefilled exactly the tokens the job committed.
-        assert repeat["job"]["samples"] == 6, repeat
+        assert repeat["job"]["samples"] == 6 and repeat["job"]["shards"] == 2, repeat
         assert repeat["job"]["tokens"] == repeat["prefill"]["tokens"] == report["tokens"], repeat
         assert repeat["job"]["tokens_per_second"] > 0 and repeat["prefill"]["tokens_per_second"] > 0
     assert report["ratio"] == pytest.approx(report["job_tokens_per_second"] / report["prefill_tokens_per_second"])

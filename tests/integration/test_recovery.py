@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.lifecycle import jobs, leases, progress, recovery
+from shared.lifecycle import deletion, jobs, leases, progress, recovery
 from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.queue import SHARD_QUEUE, UNACKED, ShardSender, messages_in_broker, task_id
 from shared.lifecycle.schemas import DeadLetter, JobRecord
@@ -227,6 +227,27 @@ def test_a_shard_whose_message_the_broker_lost_is_sent_again_once_its_job_is_qui
     assert progress.job_progress(client, "job-a").shards_rerun == 1
     # The job is not looked at again in the same period: the shard's new message may still be on its way.
     assert next_look(0.01) == []
+
+
+def test_a_reapers_look_at_a_job_leaves_nothing_once_the_job_is_deleted(client: redis.Redis, storage: Storage) -> None:
+    """The look's key goes with the job's other keys, and a reaper that read the job before a delete marked it does
+    not set the key behind the delete (the chaos soak found one left, under a loaded machine)."""
+    published(storage, client, make_job(shards=2))
+    time.sleep(0.05)
+    assert recovery.resend_lost_shards(storage, client, enqueue=lambda *a: None, quiet_for_s=0.01) == [
+        ("job-a", 0),
+        ("job-a", 1),
+    ]
+    assert client.exists(recovery.lost_shards_check_key("job-a"))
+    deletion.delete_job("job-a", storage=storage, client=client, cancel=True, wait_s=0)
+    assert not client.exists(recovery.lost_shards_check_key("job-a"))
+
+    published(storage, client, make_job(shards=2))
+    client.hset(progress.job_key("job-a"), "deleting", 1)  # a delete under way, after the reaper read the job
+    assert not recovery.claim_look(client, "job-a", 60)
+    assert not client.exists(recovery.lost_shards_check_key("job-a"))
+    client.hset(progress.job_key("job-a"), "deleting", 0)
+    assert recovery.claim_look(client, "job-a", 60) and not recovery.claim_look(client, "job-a", 60)
 
 
 @pytest.mark.parametrize("why", ["leased", "cancelled", "publishing"])
