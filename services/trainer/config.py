@@ -102,7 +102,7 @@ class TrainConfig(BaseModel):
 
 def compiles_backbone(config: TrainConfig, device_type: str) -> bool:
     """Whether the run compiles the drafter's backbone: as set, else on CUDA, where the compiled step measured
-    1.27-1.31x the eager one's tokens/s at Llama-3.1-8B dims at the same peak memory (docs/benchmarks.md), and not on
+    1.24-1.31x the eager one's tokens/s at Llama-3.1-8B dims at no more peak memory (docs/benchmarks.md), and not on
     the CPU, where compiling would take more of a short run than it gives back."""
     return config.compile_backbone if config.compile_backbone is not None else device_type == "cuda"
 
