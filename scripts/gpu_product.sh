@@ -86,8 +86,9 @@
 #               host's Python that take the time; the traces come back as step-profile-traces.tar.part-*
 #   step-profile-8b  the same at Llama-3.1-8B dimensions, target and drafter of random weights (no model files):
 #               what a speculative step costs in plain tokens where a token is not almost all fixed overhead
-#   stack-8b    a whole extraction job at Llama-3.1-8B shape (random weights, 192 prompts of 2,048 tokens) through
-#               the stack against the same server's own prefill of the same sequences (bench/stack_extract), 3 repeats
+#   stack-8b    a whole extraction job at Llama-3.1-8B shape (random weights, 192 prompts of 2,048 tokens, two
+#               shards a worker) through the stack against the same server's own prefill of the same sequences
+#               (bench/stack_extract), STACK_REPEATS (3) repeats; the stack took 143 s to start on an H100
 #               (STACK_ARGS: more SGLang arguments)
 #   regen-ab    regeneration on the capture server as the GPU demo launches it, without SGLang's prefill delayer
 #               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
