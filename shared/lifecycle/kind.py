@@ -115,10 +115,8 @@ class Target:
     @classmethod
     def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
         config = json.loads((path / "config.json").read_text())
-        layers = int(language_model_config(config)["num_hidden_layers"])
-        return cls(
-            path=path, config=config, tokenizer=tokenizer, aux_layer_ids=aux_layer_ids or default_aux_layer_ids(layers)
-        )
+        ids = aux_layer_ids or default_aux_layer_ids(int(language_model_config(config)["num_hidden_layers"]))
+        return cls(path=path, config=config, tokenizer=tokenizer, aux_layer_ids=ids)
 
     def record(self) -> ModelRecord:
         return ModelRecord(
