@@ -4,9 +4,10 @@ Compares, on random data (no model files: the embedding and the target head are 
 - parity: the sdpa TTT attention and the fused soft cross-entropy against their eager references (bf16 vs fp32),
   and the whole TTT loss and gradients of each variant against the eager one on the same weights and batch;
 - throughput: one optimizer step (bf16 autocast, fp32 master weights, TTT 7, clip 0.5, fused AdamW), median of
-  the timed steps after warm-up, and peak GPU memory, at 1x2048 and 4x2048, the shapes of SpecForge's anchor
-  (17.5K / 24.2K tokens/s on one H100, docs/benchmarks.md);
-- a torch.profiler table of one fast step at 4x2048.
+  the timed steps after warm-up, and peak GPU memory, at 1x2048 and 4x2048 by default (--shapes), the shapes of
+  SpecForge's anchor (17.5K / 24.2K tokens/s on one H100, docs/benchmarks.md);
+- a torch.profiler table of one step at each shape, and its kernel time by kind (matmuls, attention, compiled
+  kernels, ...).
 
 Variants: eager (eager attention, eager loss), fast (sdpa attention, fused loss), fast+compile (fast plus
 `Eagle3Drafter.compile_backbone`). It imports only torch and the trainer's drafter and loss modules, and writes
@@ -281,6 +282,7 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
         train_step(drafter, target_head, batch, optimizer, params, loss_implementation)
         sync()
     averages = profiler.key_averages()
+    kernel_categories(averages, path.with_suffix(".json"))
     try:
         table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
     except Exception:  # older spelling
@@ -288,6 +290,37 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     path.write_text(table)
     del optimizer
     free_cached_memory()
+
+
+KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")),
+    ("attention", ("flash", "fmha", "attention")),
+    ("compiled (Inductor/Triton)", ("triton_",)),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("reduction", ("reduce", "softmax", "norm", "argmax")),
+]
+
+
+def kernel_categories(averages, path: Path) -> dict:
+    """The step's GPU kernel time by kind (matmuls, attention, compiled kernels, ...): where a faster step has to come
+    from. Written beside the profiler's table."""
+    totals: dict[str, float] = {}
+    for event in averages:
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        category = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other elementwise")
+        totals[category] = totals.get(category, 0.0) + event.self_device_time_total / 1000  # us -> ms
+    summary = {c: round(ms, 2) for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])}
+    summary["total kernel ms"] = round(sum(totals.values()), 2)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    batch, _, tokens = text.partition("x")
+    return int(batch), int(tokens)
 
 
 def main() -> None:
@@ -298,11 +331,19 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=280, help="skip what would start after this many seconds")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--profile", nargs="*", default=["fast+compile"], choices=list(VARIANTS))
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        default=SHAPES,
+        help="BxT each, e.g. 4x2048 1x8192; the profiler traces one step at each",
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script, no timings")
     args = parser.parse_args()
-    global DEVICE, SHAPES
+    global DEVICE
+    shapes = args.shapes
     if args.smoke:
-        DEVICE, SHAPES = torch.device("cpu"), [(1, 96), (2, 96)]
+        DEVICE, shapes = torch.device("cpu"), [(1, 96), (2, 96)]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     device = DEVICE
@@ -351,10 +392,10 @@ def main() -> None:
         return
     drafter, target_head = models
     variants = [name for name in args.variants if name != "eager"]
-    agreement_batch = random_batch(drafter.config, 1, SHAPES[0][1], device, seed=7)
+    agreement_batch = random_batch(drafter.config, 1, shapes[0][1], device, seed=7)
     report["loss_agreement"] = phase("loss_agreement", loss_agreement, drafter, target_head, agreement_batch, variants)
     for name in args.variants:
-        for B, T in SHAPES:
+        for B, T in shapes:
             result = phase(
                 f"measure {name} {B}x{T}",
                 measure,
@@ -369,9 +410,12 @@ def main() -> None:
             if result:
                 report["results"].append(result)
                 save()
-    B, T = SHAPES[-1]
     for name in args.profile:
-        phase(f"profile {name}", profile_step, drafter, target_head, name, B, T, args.out / f"profile_{name}.txt")
+        for B, T in shapes:
+            path = args.out / f"profile_{name}_{B}x{T}.txt"
+            phase(f"profile {name} {B}x{T}", profile_step, drafter, target_head, name, B, T, path)
+            if path.with_suffix(".json").exists():
+                print(f"{name} {B}x{T} kernel ms by kind: {path.with_suffix('.json').read_text()}", flush=True)
     report["total_s"] = round(time.perf_counter() - started, 1)
     save()
     print(json.dumps(report.get("attention_parity"), indent=1))

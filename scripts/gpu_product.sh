@@ -104,8 +104,9 @@
 #               and boto3 from .sgl_s: after the stages above and `deps`), plus specforge-0.2.0-py3-none-any.whl in
 #               .gpu_wheels (`deps` installs it); no SGLang server.
 #   trainer-profile  bench/ttt_step_profile at Llama-3.1-8B dimensions: loss and gradient parity of each variant
-#               with the eager path, tokens/s and peak memory at 1x2048 and 4x2048, and the profiler's table of one
-#               step (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"); needs only torch, like `trainer`
+#               with the eager path, tokens/s and peak memory at each shape (TRAINER_PROFILE_SHAPES, default
+#               "1x2048 4x2048"), and the profiler's table and kernel time by kind of one step at each
+#               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"); needs only torch, like `trainer`
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
 #               against a raw read of the same files, with a 200 ms sleep and with the trainer's own step on the GPU:
 #               GB/s and how long each step waited (the project's storage code: `deps` gives it Celery, redis-py and
@@ -351,11 +352,13 @@ PYEOF
     [ $rc = 0 ] || exit $rc ;;
   trainer-profile)
     # Where the trainer's step goes at Llama-3.1-8B dimensions (bench/ttt_step_profile): each variant's loss and
-    # gradients against the eager path, its tokens/s and peak memory at 1x2048 and 4x2048, and the profiler's table
-    # of one step at 4x2048 (TRAINER_PROFILE_VARIANTS, default fast and fast+compile).
+    # gradients against the eager path, its tokens/s and peak memory at each shape (TRAINER_PROFILE_SHAPES, default
+    # 1x2048 4x2048), and the profiler's table and kernel time by kind of one step at each (TRAINER_PROFILE_VARIANTS,
+    # default fast and fast+compile).
     variants=${TRAINER_PROFILE_VARIANTS:-fast fast+compile}
     timeout "${TRAINER_TIMEOUT:-$(left)}" python3 -m bench.ttt_step_profile --out "$OUTD/ttt_step_profile" \
-      --variants $variants --profile $variants --budget-s $(($(left) - 60)) > "$OUTD/ttt_step_profile.log" 2>&1
+      --variants $variants --profile $variants --shapes ${TRAINER_PROFILE_SHAPES:-1x2048 4x2048} \
+      --budget-s $(($(left) - 60)) > "$OUTD/ttt_step_profile.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/ttt_step_profile.log" | tail -n 60
     [ $rc = 0 ] || exit $rc ;;
   loader|loader-s3)
