@@ -29,8 +29,10 @@ the readable reference (the logits, then an fp32 log-softmax over [B, T, V_draft
 "fused", the default, computes the loss, its gradient and the argmax in one pass over the logits
 (`soft_cross_entropy_with_grad`, compiled on CUDA) and takes lm_head's two gradients in forward too, a block of rows
 at a time (`_HeadSoftCrossEntropy`), so that backward keeps neither logits nor their gradient, only the gradient of
-the head's input and one sum of the weight's gradient over the steps. Both give the same values; without gradients
-(evaluation) both compute the reference.
+the head's input and one sum of the weight's gradient over the steps; and it computes the teacher, the logits and the
+loss only for the rows that predict a counted token (gathered by the token they predict, the same rows at every step),
+so prompts and padding cost no vocabulary projection. Both give the same values; without gradients (evaluation) both
+compute the reference.
 
 Checked against (read, not copied): sgl-project/SpecForge@a6b6b02 specforge/algorithms/eagle3/model.py (Steps 1-5.7:
 targets from the stored final state, position mask = t2d[target argmax] * loss mask, shift left per step, accuracy
@@ -225,6 +227,23 @@ def soft_cross_entropy_kernel(logits: Tensor) -> Callable:
     return _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
 
 
+def teacher(target_head: TargetHead, hidden_rows: Tensor, draft_vocab: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's greedy next token (n,) and its distribution over the draft vocabulary (n, V_draft), fp32, from its
+    final states (n, H_t). A few thousand rows at a time, so that the full vocabulary's logits (V_target x 2 bytes a
+    row) never exist for a whole long batch. Under autocast the logits are bf16; argmax and the fp32 softmax read them
+    as they are (an exact upcast), so the full vocabulary never gets an fp32 copy."""
+    n = hidden_rows.shape[0]
+    tokens = torch.empty(n, dtype=torch.long, device=hidden_rows.device)
+    p = torch.empty(n, len(draft_vocab), dtype=torch.float32, device=hidden_rows.device)
+    chunk = max(1, HEAD_CHUNK_ELEMENTS // target_head.weight.shape[0])
+    for start in range(0, n, chunk):
+        part = slice(start, start + chunk)
+        target_logits = target_head(hidden_rows[part])  # (rows, V_target)
+        tokens[part] = target_logits.argmax(-1)
+        p[part] = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)
+    return tokens, p
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     target_head: TargetHead,
@@ -242,25 +261,27 @@ def ttt_loss(
     B, T = batch.input_ids.shape  # batch size, sequence length (right-padded)
     device = batch.input_ids.device
 
+    # The fused path trains with the head's gradients taken in forward (`_HeadSoftCrossEntropy`) and on the rows that
+    # predict a counted token only; evaluation and the eager reference compute every row's logits as written.
+    fused_head = loss_implementation == "fused" and torch.is_grad_enabled() and drafter.lm_head.weight.requires_grad
+
     # Step 1: the teacher. Position t of the target predicts token t+1; only its draft-vocab part is learnable.
     with torch.no_grad():
         draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
-        target_token = torch.empty(B, T, dtype=torch.long, device=device)  # the target's greedy next token
-        target_p = torch.empty(B, T, len(draft_vocab), dtype=torch.float32, device=device)  # (B, T, V_draft)
-        # A few thousand rows of the flattened batch at a time, so the full vocabulary's logits (V_target x 2 bytes a
-        # row) never exist for a whole long batch, and a batch of short sequences is still a few large matmuls.
-        # Under autocast the logits are bf16; argmax and the fp32 softmax read them as they are (an exact upcast), so
-        # the full vocabulary never gets an fp32 copy.
-        hidden_rows = batch.hidden_state.reshape(B * T, -1)
-        token_rows, p_rows = target_token.view(B * T), target_p.view(B * T, -1)
-        chunk = max(1, HEAD_CHUNK_ELEMENTS // target_head.weight.shape[0])
-        for start in range(0, B * T, chunk):
-            part = slice(start, start + chunk)
-            target_logits = target_head(hidden_rows[part])  # (n, V_target)
-            token_rows[part] = target_logits.argmax(-1)
-            p_rows[part] = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)
-        target_in_draft = drafter.t2d[target_token]  # (B, T) could the drafter propose it at all?
         predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
+        if fused_head:
+            # Token p is predicted by row p-2-i at step i (so p >= 2), and taught by the target's position p-1: the
+            # teacher and every step's head and loss need those rows alone. Prompt and padding rows, which count for
+            # nothing, then cost no logits (SpecForge computes them all); one host sync a batch for the count.
+            predicted_batch, predicted_pos = predictable[:, 2:].nonzero(as_tuple=True)  # (n,) each
+            predicted_pos = predicted_pos + 2
+            target_token, target_p = teacher(
+                target_head, batch.hidden_state[predicted_batch, predicted_pos - 1], draft_vocab
+            )
+        else:
+            target_token, target_p = teacher(target_head, batch.hidden_state.reshape(B * T, -1), draft_vocab)
+            target_token, target_p = target_token.view(B, T), target_p.view(B, T, -1)  # (B, T), (B, T, V_draft)
+        target_in_draft = drafter.t2d[target_token]  # could the drafter propose it at all?
 
     # Step 2: step 0's hidden state is the projection of the target's three aux layers.
     hidden = drafter.project_hidden_states(batch.aux_hidden_state)  # (B, T, 3H_t) -> (B, T, H)
@@ -272,9 +293,6 @@ def ttt_loss(
     # Step 3: unroll. Each step appends its keys to the cache, so step i attends steps 0..i (the TTT mask).
     zero = torch.zeros((), device=device)
     terms, step_correct, step_counted = [zero] * ttt_length, [zero] * ttt_length, [zero] * ttt_length
-    # The fused path trains with the head's gradients taken in forward (`_HeadSoftCrossEntropy`); evaluation and the
-    # eager reference compute the logits as written.
-    fused_head = loss_implementation == "fused" and torch.is_grad_enabled() and drafter.lm_head.weight.requires_grad
     head_gradient = HeadGradient() if fused_head else None
     for i in range(ttt_length):
         rows = T - 2 - i  # rows t whose predicted token x_{t+2+i} lies inside the sequence
@@ -285,28 +303,34 @@ def ttt_loss(
         input_embeds = drafter.embed_input_ids(shift_left(batch.input_ids, 1 + i))  # (B, T, H)
         hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache, weights=weights)  # fed forward
 
-        # Step 3.2: the rows that have a target.
-        teacher = target_p[:, 1 + i : 1 + i + rows]  # (B, rows, V_draft) distribution of x_{t+2+i}
-        counted = predictable[:, 2 + i : 2 + i + rows]  # (B, rows)
-        learnable = counted & target_in_draft[:, 1 + i : 1 + i + rows]  # (B, rows)
-        step_counted[i] = counted.sum()
-
-        # Step 3.3: their logits, and the soft cross-entropy against the teacher, mean over counted rows; each step's
-        # term in the loss weighted by step_decay**i (EAGLE-3's 0.8**i: later steps matter less).
-        step_weight = step_decay**i / step_counted[i].clamp(min=1)
+        # Step 3.2: the rows that have a target; 3.3: their logits, and the soft cross-entropy against the teacher, mean
+        # over counted rows; each step's term in the loss weighted by step_decay**i (EAGLE-3's 0.8**i: later steps
+        # matter less); 3.4: top-1 agreement in target ids, what greedy verification would accept.
         if head_gradient is not None:
+            row = predicted_pos - 2 - i  # (n,) the row predicting each counted token at this step
+            counted = row >= 0  # the first i tokens' rows would lie before the sequence
+            learnable = counted & target_in_draft
+            step_counted[i] = counted.sum()
+            step_weight = step_decay**i / step_counted[i].clamp(min=1)
+            counted_hidden = hidden[predicted_batch, row.clamp(min=0)]  # (n, H)
             terms[i], proposed = head_soft_cross_entropy(
-                drafter, hidden[:, :rows], teacher, learnable, step_weight, head_gradient
+                drafter, counted_hidden[None], target_p[None], learnable[None], step_weight, head_gradient
             )
+            with torch.no_grad():
+                proposed = drafter.draft_to_target(proposed[0])  # (n,)
+                step_correct[i] = ((proposed == target_token) & counted).sum()
         else:
+            teacher_p = target_p[:, 1 + i : 1 + i + rows]  # (B, rows, V_draft) distribution of x_{t+2+i}
+            counted = predictable[:, 2 + i : 2 + i + rows]  # (B, rows)
+            learnable = counted & target_in_draft[:, 1 + i : 1 + i + rows]  # (B, rows)
+            step_counted[i] = counted.sum()
+            step_weight = step_decay**i / step_counted[i].clamp(min=1)
             logits = drafter.compute_logits(hidden[:, :rows])  # (B, rows, V_draft)
-            cross_entropy_sum, proposed = soft_cross_entropy(logits, teacher, learnable)  # (), (B, rows) draft ids
+            cross_entropy_sum, proposed = soft_cross_entropy(logits, teacher_p, learnable)  # (), (B, rows) draft ids
             terms[i] = cross_entropy_sum * step_weight
-
-        # Step 3.4: top-1 agreement in target ids, what greedy verification would accept.
-        with torch.no_grad():
-            proposed = drafter.draft_to_target(proposed)  # (B, rows)
-            step_correct[i] = ((proposed == target_token[:, 1 + i : 1 + i + rows]) & counted).sum()
+            with torch.no_grad():
+                proposed = drafter.draft_to_target(proposed)  # (B, rows)
+                step_correct[i] = ((proposed == target_token[:, 1 + i : 1 + i + rows]) & counted).sum()
 
     # Step 4: the loss is the sum of the steps' weighted terms; each step's own loss, for the logs, is its term over
     # step_decay**i. One host sync for all the logged numbers, not one per step (it stalls the GPU).
