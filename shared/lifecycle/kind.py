@@ -90,12 +90,12 @@ class ShardContext:
 
 
 @dataclass(frozen=True)
-class Target:
-    """The target model as the producer reads it at submit: its folder, config, tokenizer and the layers to capture."""
+class TargetModel:
+    """The target model as its folder gives it: the config and the layers to capture (the preflight checks need no
+    more)."""
 
     path: Path
     config: dict[str, Any]
-    tokenizer: ChatTokenizer
     aux_layer_ids: list[int]
 
     @property
@@ -113,10 +113,22 @@ class Target:
         return int(language_model_config(self.config)["vocab_size"])
 
     @classmethod
-    def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
+    def read(cls, path: Path, aux_layer_ids: list[int] | None) -> "TargetModel":
         config = json.loads((path / "config.json").read_text())
         ids = aux_layer_ids or default_aux_layer_ids(int(language_model_config(config)["num_hidden_layers"]))
-        return cls(path=path, config=config, tokenizer=tokenizer, aux_layer_ids=ids)
+        return TargetModel(path=path, config=config, aux_layer_ids=ids)
+
+
+@dataclass(frozen=True)
+class Target(TargetModel):
+    """The target model as the producer reads it at submit: `TargetModel` and its tokenizer."""
+
+    tokenizer: ChatTokenizer
+
+    @classmethod
+    def load(cls, path: Path, tokenizer: ChatTokenizer, aux_layer_ids: list[int] | None) -> "Target":
+        model = TargetModel.read(path, aux_layer_ids)
+        return cls(path=model.path, config=model.config, aux_layer_ids=model.aux_layer_ids, tokenizer=tokenizer)
 
     def record(self) -> ModelRecord:
         return ModelRecord(

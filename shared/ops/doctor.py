@@ -34,11 +34,10 @@ import redis
 from shared.capture.client import InferenceClient
 from shared.capture.protocol import ModelInfo, default_aux_layer_ids
 from shared.data.datasets import InvalidRecord, read_dataset
-from shared.data.model_assets import language_model_config
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import Eagle3Error, InvalidSample
 from shared.lifecycle import jobs, progress, shards
-from shared.lifecycle.kind import ShardContext
+from shared.lifecycle.kind import ShardContext, TargetModel
 from shared.lifecycle.kinds import EXTRACT
 from shared.lifecycle.kinds.extract import bytes_per_token
 from shared.lifecycle.schemas import JobSpec
@@ -67,29 +66,6 @@ class Check:
     status: Status
     detail: str
     seconds: float = 0.0
-
-
-@dataclass
-class Target:
-    """What the run will extract: the target model (from its folder) and the layers to capture."""
-
-    model_path: Path
-    num_hidden_layers: int
-    hidden_size: int
-    vocab_size: int
-    aux_layer_ids: list[int]
-
-    @classmethod
-    def from_model(cls, model_path: Path, aux_layer_ids: list[int] | None) -> "Target":
-        config = language_model_config(json.loads((model_path / "config.json").read_text()))
-        layers = config["num_hidden_layers"]
-        return cls(
-            model_path=model_path,
-            num_hidden_layers=layers,
-            hidden_size=config["hidden_size"],
-            vocab_size=config["vocab_size"],
-            aux_layer_ids=aux_layer_ids or default_aux_layer_ids(layers),
-        )
 
 
 def _timed(name: str, run: Callable[[], tuple[Status, str]]) -> Check:
@@ -127,7 +103,7 @@ def check_storage(storage: Storage) -> Check:
     return _timed("storage", run)
 
 
-def check_inference(url: str, target: Target, settings: Settings) -> tuple[Check, ModelInfo | None]:
+def check_inference(url: str, target: TargetModel, settings: Settings) -> tuple[Check, ModelInfo | None]:
     found: list[ModelInfo] = []
 
     def run() -> tuple[Status, str]:
@@ -164,7 +140,7 @@ def check_inference(url: str, target: Target, settings: Settings) -> tuple[Check
     return check, (found[0] if found else None)
 
 
-def check_layer_ids(target: Target) -> Check:
+def check_layer_ids(target: TargetModel) -> Check:
     def run() -> tuple[Status, str]:
         ids, n = target.aux_layer_ids, target.num_hidden_layers
         if len(ids) != 3:
@@ -181,11 +157,11 @@ def check_layer_ids(target: Target) -> Check:
     return _timed("layer ids", run)
 
 
-def check_budget(dataset_url: str | None, target: Target, settings: Settings) -> Check:
+def check_budget(dataset_url: str | None, target: TargetModel, settings: Settings) -> Check:
     def run() -> tuple[Status, str]:
         if dataset_url is None:
             return "warn", "no --dataset given: the run's size was not projected"
-        tokenizer = ChatTokenizer.from_pretrained(target.model_path)
+        tokenizer = ChatTokenizer.from_pretrained(target.path)
         max_length = JobSpec.model_fields["max_length"].default  # what a job truncates to unless told otherwise
         lines = list(jobs.read_dataset_lines(dataset_url, settings))
         sampled, tokens = 0, 0
@@ -236,7 +212,7 @@ def check_workers(settings: Settings) -> Check:
 
 
 def check_end_to_end(
-    target: Target, inference_url: str, settings: Settings, train_probe: TrainProbe | None, *, keep: bool = False
+    target: TargetModel, inference_url: str, settings: Settings, train_probe: TrainProbe | None, *, keep: bool = False
 ) -> list[Check]:
     """One sample through the real path into a scratch job, then the trainer's loader and one step on it."""
     job_id = f"doctor-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -249,7 +225,7 @@ def check_end_to_end(
             dataset.write_text(json.dumps(_PROBE_CONVERSATION) + "\n")
             spec = JobSpec(
                 dataset_url=str(dataset),
-                model_path=str(target.model_path),
+                model_path=str(target.path),
                 job_id=job_id,
                 aux_layer_ids=target.aux_layer_ids,
             )
@@ -316,7 +292,7 @@ def run_checks(
     end_to_end: bool = True,
     keep_scratch: bool = False,
 ) -> list[Check]:
-    target = Target.from_model(model_path, aux_layer_ids)
+    target = TargetModel.read(model_path, aux_layer_ids)
     urls = inference_urls or [settings.inference_url]
     checks = [check_redis(settings), check_storage(open_storage(settings.storage_url, settings))]
     infos = []

@@ -21,10 +21,9 @@ from services.trainer.drafter import (
 from shared.data.datasets import Conversation, Message
 from shared.data.tokenization import ChatTokenizer
 from shared.data.vocab import load_vocab_mapping
-from shared.lifecycle.kind import Target
+from shared.lifecycle.kind import Target, TargetModel
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.schemas import JobSpec
-from shared.ops import doctor
 
 CONVERSATION = Conversation(
     sample_id="s0",
@@ -79,7 +78,7 @@ def test_a_multimodal_targets_language_model_is_read_from_its_nested_config_and_
     shape = (text_config["hidden_size"], text_config["num_hidden_layers"], text_config["vocab_size"])
     assert (record.hidden_size, record.num_hidden_layers, record.vocab_size) == shape
     assert record.architecture == "Llama4ForConditionalGeneration"
-    checked = doctor.Target.from_model(model_dir, None)
+    checked = TargetModel.read(model_dir, None)
     assert (checked.hidden_size, checked.num_hidden_layers, checked.vocab_size) == shape
     assert checked.aux_layer_ids == target.aux_layer_ids
     signature = TargetSignature.from_model_config(config, target.aux_layer_ids)
