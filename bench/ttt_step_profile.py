@@ -292,63 +292,6 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     free_cached_memory()
 
 
-def memory_at_peak(drafter, target_head, name: str, B: int, T: int, path: Path) -> dict:
-    """What holds the GPU's memory at the peak of one step: the allocator's history of the step replayed, and the
-    blocks alive at its highest point summed by the line of the trainer's code (or this script's) that allocated
-    them, innermost first, with the function that did. Memory allocated before the step (weights, optimizer state,
-    the batch) is one row, "resident"."""
-    loss_implementation = set_variant(drafter, name)
-    optimizer, params = build_optimizer(drafter)
-    batch = random_batch(drafter.config, B, T, DEVICE, 1)
-    train_step(drafter, target_head, batch, optimizer, params, loss_implementation)  # optimizer state exists after
-    sync()
-    resident = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    try:
-        train_step(drafter, target_head, batch, optimizer, params, loss_implementation)
-        sync()
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    live: dict[int, tuple[int, str]] = {}
-    total = best = 0
-    best_live: dict[int, tuple[int, str]] = {}
-    for event in snapshot["device_traces"][torch.cuda.current_device()]:
-        if event["action"] == "alloc":
-            live[event["addr"]] = (event["size"], allocation_site(event.get("frames", [])))
-            total += event["size"]
-        elif event["action"] == "free_requested" and event["addr"] in live:
-            total -= live.pop(event["addr"])[0]
-        if total > best:
-            best, best_live = total, dict(live)
-    by_site: dict[str, int] = {}
-    for size, site in best_live.values():
-        by_site[site] = by_site.get(site, 0) + size
-    rows = sorted(by_site.items(), key=lambda kv: -kv[1])[:30]
-    result = {
-        "variant": name,
-        "batch": f"{B}x{T}",
-        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-        "resident_gib": round(resident / 2**30, 3),
-        "step_peak_above_resident_gib": round(best / 2**30, 3),
-        "at_peak_gib_by_site": {site: round(size / 2**30, 3) for site, size in rows},
-    }
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    del optimizer
-    free_cached_memory()
-    return result
-
-
-def allocation_site(frames: list[dict]) -> str:
-    """The innermost frame in the project's code, and the innermost frame of all (the op that allocated)."""
-    ours = next((f for f in frames if "/services/" in f["filename"] or "/bench/" in f["filename"]), None)
-    inner = frames[0]["name"] if frames else "?"
-    if ours is None:
-        return f"(outside the project) {inner}"
-    return f"{ours['filename'].rsplit('/', 2)[-1]}:{ours['line']} {ours['name']} <- {inner}"
-
-
 KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")),
     ("attention", ("flash", "fmha", "attention")),
@@ -394,13 +337,6 @@ def main() -> None:
         type=parse_shape,
         default=SHAPES,
         help="BxT each, e.g. 4x2048 1x8192; the profiler traces one step at each",
-    )
-    parser.add_argument(
-        "--memory",
-        nargs="*",
-        default=[],
-        choices=list(VARIANTS),
-        help="variants whose step's memory at its peak is broken down by allocation site, at each shape (CUDA only)",
     )
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: checks the script, no timings")
     args = parser.parse_args()
@@ -480,12 +416,6 @@ def main() -> None:
             phase(f"profile {name} {B}x{T}", profile_step, drafter, target_head, name, B, T, path)
             if path.with_suffix(".json").exists():
                 print(f"{name} {B}x{T} kernel ms by kind: {path.with_suffix('.json').read_text()}", flush=True)
-    for name in args.memory if device.type == "cuda" else []:
-        for B, T in shapes:
-            path = args.out / f"memory_{name}_{B}x{T}.json"
-            breakdown = phase(f"memory {name} {B}x{T}", memory_at_peak, drafter, target_head, name, B, T, path)
-            if breakdown:
-                print(json.dumps(breakdown, indent=1), flush=True)
     report["total_s"] = round(time.perf_counter() - started, 1)
     save()
     print(json.dumps(report.get("attention_parity"), indent=1))

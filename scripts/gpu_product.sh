@@ -106,8 +106,7 @@
 #   trainer-profile  bench/ttt_step_profile at Llama-3.1-8B dimensions: loss and gradient parity of each variant
 #               with the eager path, tokens/s and peak memory at each shape (TRAINER_PROFILE_SHAPES, default
 #               "1x2048 4x2048"), and the profiler's table and kernel time by kind of one step at each
-#               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"), and what holds the memory at the step's
-#               peak, by allocation site (TRAINER_PROFILE_MEMORY: variants, default none); needs only torch
+#               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"); needs only torch, like `trainer`
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
 #               against a raw read of the same files, with a 200 ms sleep and with the trainer's own step on the GPU:
 #               GB/s and how long each step waited (the project's storage code: `deps` gives it Celery, redis-py and
@@ -359,7 +358,6 @@ PYEOF
     variants=${TRAINER_PROFILE_VARIANTS:-fast fast+compile}
     timeout "${TRAINER_TIMEOUT:-$(left)}" python3 -m bench.ttt_step_profile --out "$OUTD/ttt_step_profile" \
       --variants $variants --profile $variants --shapes ${TRAINER_PROFILE_SHAPES:-1x2048 4x2048} \
-      --memory ${TRAINER_PROFILE_MEMORY:-} \
       --budget-s $(($(left) - 60)) > "$OUTD/ttt_step_profile.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/ttt_step_profile.log" | tail -n 60
     [ $rc = 0 ] || exit $rc ;;
