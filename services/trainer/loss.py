@@ -269,6 +269,7 @@ def ttt_loss(
     with torch.no_grad():
         draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
         predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
+        predicted_batch = predicted_pos = torch.empty(0, dtype=torch.long, device=device)  # the fused path's rows
         if fused_head:
             # Token p is predicted by row p-2-i at step i (so p >= 2), and taught by the target's position p-1: the
             # teacher and every step's head and loss need those rows alone. Prompt and padding rows, which count for
