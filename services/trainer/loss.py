@@ -276,9 +276,10 @@ def ttt_loss(
             # nothing, then cost no logits (SpecForge computes them all); one host sync a batch for the count.
             predicted_batch, predicted_pos = predictable[:, 2:].nonzero(as_tuple=True)  # (n,) each
             predicted_pos = predicted_pos + 2
-            target_token, target_p = teacher(
-                target_head, batch.hidden_state[predicted_batch, predicted_pos - 1], draft_vocab
-            )
+            fused_head = predicted_pos.numel() > 0  # nothing to learn: the reference's zero loss, without empty kernels
+        if fused_head:
+            counted_states = batch.hidden_state[predicted_batch, predicted_pos - 1]  # (n, H_t)
+            target_token, target_p = teacher(target_head, counted_states, draft_vocab)  # (n,), (n, V_draft)
         else:
             target_token, target_p = teacher(target_head, batch.hidden_state.reshape(B * T, -1), draft_vocab)
             target_token, target_p = target_token.view(B, T), target_p.view(B, T, -1)  # (B, T), (B, T, V_draft)

@@ -21,6 +21,7 @@ from services.trainer.drafter import (
     ttt_attention_mask,
 )
 from services.trainer.loss import (
+    LOSS_IMPLEMENTATIONS,
     Batch,
     _row_blocks,
     shift_left,
@@ -283,6 +284,20 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
     torch.testing.assert_close(
         scaled, 3.0 * reference_grads[params_index(drafter, "lm_head.weight")], rtol=1e-4, atol=1e-6
     )
+
+
+def test_a_batch_with_nothing_to_learn_gives_a_zero_loss_on_every_path(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+) -> None:
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    batch = replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))  # all prompt: no row is counted
+    for loss_implementation in LOSS_IMPLEMENTATIONS:
+        out = ttt_loss(drafter, target_head, batch, ttt_length=3, loss_implementation=loss_implementation)
+        assert float(out.loss) == 0.0 and out.step_num_tokens == [0, 0, 0], loss_implementation
+        out.loss.backward()  # a graph to step on, whose gradients are all zero
+        assert all(not p.grad.any() for p in drafter.parameters() if p.grad is not None)
+        drafter.zero_grad(set_to_none=True)
 
 
 def params_index(drafter: Eagle3Drafter, name: str) -> int:
