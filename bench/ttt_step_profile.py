@@ -292,9 +292,9 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     free_cached_memory()
 
 
-KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins
-    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")),
+KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins: flash kernels name cutlass types
     ("attention", ("flash", "fmha", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")),
     ("compiled (Inductor/Triton)", ("triton_",)),
     ("optimizer", ("adam", "multi_tensor")),
     ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),

@@ -1,0 +1,45 @@
+"""bench/ttt_step_profile's shapes and its step's kernel time by kind (the profiler's averages, summed by name)."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from bench.ttt_step_profile import kernel_categories, parse_shape
+
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def event(name: str, microseconds: float, device_type: torch.autograd.DeviceType = CUDA) -> SimpleNamespace:
+    return SimpleNamespace(key=name, self_device_time_total=microseconds, device_type=device_type)
+
+
+def test_shapes_read_as_batch_by_tokens() -> None:
+    assert parse_shape("4x2048") == (4, 2048)
+    assert parse_shape("1x8192") == (1, 8192)
+
+
+def test_kernel_time_is_summed_by_kind_and_host_rows_are_left_out(tmp_path: Path) -> None:
+    averages = [
+        event("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", 5_000),
+        event("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN", 3_000),
+        event("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, cutlass::bfloat16_t>>", 2_000),
+        event("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 1_500),
+        event("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", 700),
+        event("Memcpy DtoD (Device -> Device)", 300),
+        event("void at::native::vectorized_elementwise_kernel<4, silu>", 250),
+        event("aten::mm", 9_999, CPU),  # a host operator: its device time is its kernels', already counted
+    ]
+    path = tmp_path / "kinds.json"
+    summary = kernel_categories(averages, path)
+    assert summary == {
+        "matmul": 8.0,
+        "attention": 2.0,
+        "compiled (Inductor/Triton)": 1.5,
+        "optimizer": 0.7,
+        "copy/cast": 0.3,
+        "other elementwise": 0.25,
+        "total kernel ms": 12.75,
+    }
+    assert json.loads(path.read_text()) == summary
