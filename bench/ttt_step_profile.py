@@ -269,7 +269,9 @@ def measure(drafter, target_head, name: str, B: int, T: int, *, warmup: int, ste
     return result
 
 
-def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) -> None:
+def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) -> dict:
+    """One step under the profiler: its table written to `path`, its kernel time by kind returned (and written
+    beside the table)."""
     loss_implementation = set_variant(drafter, name)
     optimizer, params = build_optimizer(drafter)
     batch = random_batch(drafter.config, B, T, DEVICE, 1)
@@ -282,7 +284,7 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
         train_step(drafter, target_head, batch, optimizer, params, loss_implementation)
         sync()
     averages = profiler.key_averages()
-    kernel_categories(averages, path.with_suffix(".json"))
+    by_kind = kernel_categories(averages, path.with_suffix(".json"))
     try:
         table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
     except Exception:  # older spelling
@@ -290,6 +292,7 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     path.write_text(table)
     del optimizer
     free_cached_memory()
+    return by_kind
 
 
 KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins: flash kernels name cutlass types
@@ -413,9 +416,9 @@ def main() -> None:
     for name in args.profile:
         for B, T in shapes:
             path = args.out / f"profile_{name}_{B}x{T}.txt"
-            phase(f"profile {name} {B}x{T}", profile_step, drafter, target_head, name, B, T, path)
-            if path.with_suffix(".json").exists():
-                print(f"{name} {B}x{T} kernel ms by kind: {path.with_suffix('.json').read_text()}", flush=True)
+            by_kind = phase(f"profile {name} {B}x{T}", profile_step, drafter, target_head, name, B, T, path)
+            if by_kind:
+                print(f"{name} {B}x{T} kernel ms by kind: {json.dumps(by_kind)}", flush=True)
     report["total_s"] = round(time.perf_counter() - started, 1)
     save()
     print(json.dumps(report.get("attention_parity"), indent=1))
