@@ -41,7 +41,6 @@ from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, Field
 
 from services.trainer.loss import Batch
-from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.data.model_assets import language_model_config
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
 from shared.lifecycle import followers, progress
@@ -49,7 +48,7 @@ from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
 from shared.redis_replies import read_streams, text
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
-from shared.storage.sample_format import HIDDEN_DTYPE, InvalidCapture, decode_sample
+from shared.storage.sample_format import HIDDEN_DTYPE, NUM_AUX_LAYERS, InvalidCapture, decode_sample
 
 logger = logging.getLogger(__name__)
 

@@ -56,10 +56,10 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.data.model_assets import language_model_config
 from shared.data.vocab import VocabMapping
 from shared.errors import ConfigurationError
+from shared.storage.sample_format import NUM_AUX_LAYERS
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.capture.protocol import NUM_AUX_LAYERS, CapturedStates
+from shared.capture.protocol import CapturedStates
 from shared.storage.dtypes import StorageDtype
+from shared.storage.sample_format import NUM_AUX_LAYERS
 
 _TINY = torch.finfo(torch.float32).tiny  # keeps an all-zero expected token from dividing by zero
 

@@ -26,6 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from shared.errors import Eagle3Error, InferenceProtocolError
+from shared.storage.sample_format import NUM_AUX_LAYERS
 
 CAPTURE_CONTENT_TYPE = "application/vnd.eagle3.capture+safetensors"
 CAPTURE_DTYPE = torch.bfloat16
@@ -47,8 +48,6 @@ _DTYPE_BY_NAME: dict[str, torch.dtype] = {
 _NAME_BY_DTYPE = {dtype: name for name, dtype in _DTYPE_BY_NAME.items()}
 _HEADER_LENGTH_BYTES = 8  # little-endian u64 in front of the JSON header
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
-
-NUM_AUX_LAYERS = 3  # EAGLE-3 concatenates three aux layers: a capture names exactly three layer ids
 
 
 # ----------------------------------------------------------------------------------------------------------

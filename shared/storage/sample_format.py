@@ -24,11 +24,11 @@ from typing import IO, Protocol, cast
 
 import torch
 
-from shared.capture.protocol import NUM_AUX_LAYERS
 from shared.errors import Eagle3Error
 from shared.storage.dtypes import StorageDtype
 
 HIDDEN_DTYPE = torch.bfloat16
+NUM_AUX_LAYERS = 3  # EAGLE-3 concatenates three aux layers: a capture names exactly three layer ids
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.capture.protocol import NUM_AUX_LAYERS, default_aux_layer_ids
+from shared.capture.protocol import default_aux_layer_ids
+from shared.storage.sample_format import NUM_AUX_LAYERS
 
 DEFAULT_SHM_DIR = Path("/dev/shm/eagle3")
 DEFAULT_CAPTURE_WRITERS = 4  # a batch's files are written in parallel, off the scheduler's thread
