@@ -415,7 +415,8 @@ def main() -> None:
                 save()
     for name in args.profile:
         for B, T in shapes:
-            path = args.out / f"profile_{name}_{B}x{T}.txt"
+            # "fast+compile" spelled "fast-compile": the device brings back no file with a "+" in its name.
+            path = args.out / f"profile_{name.replace('+', '-')}_{B}x{T}.txt"
             by_kind = phase(f"profile {name} {B}x{T}", profile_step, drafter, target_head, name, B, T, path)
             if by_kind:
                 print(f"{name} {B}x{T} kernel ms by kind: {json.dumps(by_kind)}", flush=True)
