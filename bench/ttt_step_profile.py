@@ -280,16 +280,25 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     activities = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         train_step(drafter, target_head, batch, optimizer, params, loss_implementation)
         sync()
     averages = profiler.key_averages()
     by_kind = kernel_categories(averages, path.with_suffix(".json"))
+    for kind, kernels in top_kernels(averages).items():
+        for name, ms, launches in kernels:
+            print(f"  {kind:<28} {ms:8.2f} ms {launches:5d}x  {name}", flush=True)
     try:
         table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
     except Exception:  # older spelling
         table = averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
     path.write_text(table)
+    # The host's operators by their inputs' shapes, by the GPU time their kernels took: which tensors the copies and
+    # casts move, which the elementwise kernels touch.
+    by_shape = profiler.key_averages(group_by_input_shape=True)
+    path.with_name(f"{path.stem}_by_shape.txt").write_text(
+        by_shape.table(sort_by="device_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=80)
+    )
     del optimizer
     free_cached_memory()
     return by_kind
@@ -305,20 +314,37 @@ KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match win
 ]
 
 
+def kernel_kind(name: str) -> str:
+    name = name.lower()
+    return next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other elementwise")
+
+
+def device_events(averages) -> list:
+    return [e for e in averages if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_categories(averages, path: Path) -> dict:
     """The step's GPU kernel time by kind (matmuls, attention, compiled kernels, ...): where a faster step has to come
     from. Written beside the profiler's table."""
     totals: dict[str, float] = {}
-    for event in averages:
-        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
-            continue
-        name = event.key.lower()
-        category = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), "other elementwise")
+    for event in device_events(averages):
+        category = kernel_kind(event.key)
         totals[category] = totals.get(category, 0.0) + event.self_device_time_total / 1000  # us -> ms
     summary = {c: round(ms, 2) for c, ms in sorted(totals.items(), key=lambda kv: -kv[1])}
     summary["total kernel ms"] = round(sum(totals.values()), 2)
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def top_kernels(averages, per_kind: int = 3) -> dict[str, list[tuple[str, float, int]]]:
+    """Each kind's longest kernels (name cut to 100 characters, ms, launches): which copies, which matmuls, printed
+    in the log, so that a run whose profiler tables do not come back still says what the time is."""
+    by_kind: dict[str, list[tuple[str, float, int]]] = {}
+    for event in sorted(device_events(averages), key=lambda e: -e.self_device_time_total):
+        kernels = by_kind.setdefault(kernel_kind(event.key), [])
+        if len(kernels) < per_kind:
+            kernels.append((event.key[:100], round(event.self_device_time_total / 1000, 2), int(event.count)))
+    return by_kind
 
 
 def parse_shape(text: str) -> tuple[int, int]:

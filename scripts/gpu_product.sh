@@ -109,7 +109,8 @@
 #   trainer-profile  bench/ttt_step_profile at Llama-3.1-8B dimensions: loss and gradient parity of each variant
 #               with the eager path, tokens/s and peak memory at each shape (TRAINER_PROFILE_SHAPES, default
 #               "1x2048 4x2048"), and the profiler's table and kernel time by kind of one step at each
-#               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"); needs only torch, like `trainer`
+#               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"), each kind's longest kernels in the log, and
+#               the host's operators by their inputs' shapes (profile_*_by_shape.txt); needs only torch, like `trainer`
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
 #               against a raw read of the same files, with a 200 ms sleep and with the trainer's own step on the GPU:
 #               GB/s and how long each step waited (the project's storage code: `deps` gives it Celery, redis-py and

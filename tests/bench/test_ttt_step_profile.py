@@ -6,13 +6,15 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.ttt_step_profile import kernel_categories, parse_shape
+from bench.ttt_step_profile import kernel_categories, parse_shape, top_kernels
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
-def event(name: str, microseconds: float, device_type: torch.autograd.DeviceType = CUDA) -> SimpleNamespace:
-    return SimpleNamespace(key=name, self_device_time_total=microseconds, device_type=device_type)
+def event(
+    name: str, microseconds: float, device_type: torch.autograd.DeviceType = CUDA, count: int = 1
+) -> SimpleNamespace:
+    return SimpleNamespace(key=name, self_device_time_total=microseconds, device_type=device_type, count=count)
 
 
 def test_shapes_read_as_batch_by_tokens() -> None:
@@ -43,3 +45,23 @@ def test_kernel_time_is_summed_by_kind_and_host_rows_are_left_out(tmp_path: Path
         "total kernel ms": 12.75,
     }
     assert json.loads(path.read_text()) == summary
+
+
+def test_each_kinds_longest_kernels_are_named_longest_first() -> None:
+    averages = [
+        event("Memcpy DtoD (Device -> Device)", 300, count=14),
+        event("void at::native::CatArrayBatchedCopy<bf16>", 1_200, count=21),
+        event("void at::native::direct_copy_kernel_cuda<float, bf16>", 800, count=7),
+        event("void at::native::fill_kernel", 50),
+        event("void at::native::vectorized_elementwise_kernel<4, fill>", 10),
+        event("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN", 3_000, count=49),
+        event("aten::copy_", 9_999, CPU),  # a host operator: not a kernel
+    ]
+    assert top_kernels(averages) == {
+        "matmul": [("nvjet_hsh_256x128_64x4_2x1_v_bz_coopA_NTN", 3.0, 49)],
+        "copy/cast": [
+            ("void at::native::CatArrayBatchedCopy<bf16>", 1.2, 21),
+            ("void at::native::direct_copy_kernel_cuda<float, bf16>", 0.8, 7),
+            ("Memcpy DtoD (Device -> Device)", 0.3, 14),
+        ],
+    }
