@@ -4,7 +4,8 @@ The stack runs as `eagle3 demo --gpu` runs it (producer API, Redis, --workers Ce
 local storage, states through shared memory). Each repeat submits the same extraction job through the API (--prompts
 records of about --prompt-tokens tokens: the benchmarks' random token ids as preformatted text), reads the job's own
 rate once it has completed (tokens committed over the time from its creation to its last commit, what `eagle3
-progress` shows), and deletes it (a Llama-8B job stores 32 KB a token); its shards are sized as a GPU job's should
+progress` shows) and its timeline from its manifests (when each worker started and committed each shard: where
+the job's time beside the server's prefill went), and deletes it (a Llama-8B job stores 32 KB a token); its shards are sized as a GPU job's should
 be, seconds of the server's work (--shard-tokens, default two shards per worker); then the server's own prefill (one
 new token) of the very sequences the job extracted, at the concurrency the workers keep in flight, on the same
 server with nothing in between. Repeats alternate the two, after one small job and prefill that warm the workers and
@@ -25,6 +26,7 @@ import shlex
 import statistics
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,10 @@ from eagle3.jobs import exit_on_sigterm
 from eagle3.local_stack import LocalStack
 from shared.data.datasets import Conversation, read_dataset
 from shared.data.tokenization import ChatTokenizer
+from shared.lifecycle.schemas import Manifest
 from shared.settings import Settings
+from shared.storage import layout
+from shared.storage.objects import Storage, open_storage
 
 console = Console()
 POLL_S = 0.2
@@ -63,8 +68,61 @@ def job_sequences(dataset: Path, model_dir: Path, max_length: int) -> list[list[
     return [chat.tokenize(r, max_length=max_length, length_policy="truncate").input_ids for r in records]
 
 
-def run_job(api: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """One extraction job from submission to completion; its own rate, then it is deleted."""
+def shard_timeline(storage: Storage, job_id: str) -> dict[str, Any]:
+    """Where a completed job's time went, from its job.json and its shards' manifests (each stamped by its worker:
+    started, committed, seconds capturing and writing), in seconds from the job record's creation (job.json's
+    `created_at`, taken as its planning ends; its rate counts from its publishing, a little later): to its first
+    shard's start, each
+    shard's span and how much of it was the captures and writes, and each worker's time between its shards and after
+    its last one, up to the job's last commit. What a job pays beside the server's own prefill is among these."""
+    created = datetime.fromisoformat(json.loads(storage.get(layout.job_json(job_id)))["created_at"]).timestamp()
+    manifests = [
+        Manifest.model_validate_json(storage.get(key)) for key in storage.list(layout.manifests_prefix(job_id))
+    ]
+    spans = sorted(
+        (
+            m.worker,
+            datetime.fromisoformat(m.started_at).timestamp() - created,
+            datetime.fromisoformat(m.committed_at).timestamp() - created,
+            m.timings_s.get("capture_and_write", math.nan),
+        )
+        for m in manifests
+    )
+    end = max(committed for _, _, committed, _ in spans)
+    workers: dict[str, dict[str, float]] = {}
+    for worker, started, committed, _ in spans:
+        w = workers.setdefault(worker, {"first_start_s": started, "between_shards_s": 0.0, "last_commit_s": 0.0})
+        if w["last_commit_s"]:
+            w["between_shards_s"] += started - w["last_commit_s"]
+        w["last_commit_s"] = committed
+    for w in workers.values():
+        w["after_last_shard_s"] = end - w["last_commit_s"]
+    return {
+        "first_shard_start_s": min(started for _, started, _, _ in spans),
+        "last_commit_s": end,
+        "shards": [
+            {"worker": worker, "started_s": started, "committed_s": committed, "capture_and_write_s": capture}
+            for worker, started, committed, capture in spans
+        ],
+        "workers": workers,
+    }
+
+
+def describe_timeline(t: dict[str, Any]) -> str:
+    shards, workers = t["shards"], t["workers"].values()
+    spans = [s["committed_s"] - s["started_s"] for s in shards]
+    outside = [s["committed_s"] - s["started_s"] - s["capture_and_write_s"] for s in shards]
+    return (
+        f"  {t['first_shard_start_s']:.2f} s from the job's creation to its first shard; shards of "
+        f"{min(spans):.2f}-{max(spans):.2f} s, {min(outside):.2f}-{max(outside):.2f} s of each outside its captures "
+        f"and writes; a worker's time between its shards {max(w['between_shards_s'] for w in workers):.2f} s at most, "
+        f"idle at the end {max(w['after_last_shard_s'] for w in workers):.2f} s at most; last commit at "
+        f"{t['last_commit_s']:.2f} s"
+    )
+
+
+def run_job(api: Any, spec: dict[str, Any], storage: Storage) -> dict[str, Any]:
+    """One extraction job from submission to completion; its own rate and timeline, then it is deleted."""
     submitted = time.monotonic()
     job_id = check(api.post("/v1/jobs", json=spec))["job"]["job_id"]
     deadline = submitted + JOB_TIMEOUT_S
@@ -85,6 +143,7 @@ def run_job(api: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "seconds": p.elapsed_seconds,
         "tokens_per_second": p.tokens_per_second,
         "seconds_until_seen_finished": round(seen_finished_s, 3),
+        "timeline": shard_timeline(storage, job_id),
     }
     check(api.delete(f"/v1/jobs/{job_id}"))
     return result
@@ -208,15 +267,17 @@ def main() -> None:
         warm = args.work_dir / "warm.jsonl"
         warm.write_text("".join(dataset.read_text().splitlines(keepends=True)[:concurrency]))
         with stack.api_client() as api:
-            run_job(api, {**spec, "dataset_url": str(warm)})
+            storage = open_storage(settings.storage_url, settings)
+            run_job(api, {**spec, "dataset_url": str(warm)}, storage)
             for repeat in range(args.repeats):
-                job = run_job(api, spec)
+                job = run_job(api, spec, storage)
                 engine = prefill(url, sequences, concurrency)
                 report["repeats"].append({"job": job, "prefill": engine})
                 console.print(
                     f"repeat {repeat + 1}: job {job['tokens_per_second']:,.0f} tokens/s ({job['tokens']:,} tokens, "
                     f"{job['shards']} shards), prefill {engine['tokens_per_second']:,.0f} tokens/s"
                 )
+                console.print(describe_timeline(job["timeline"]))
     report["job_tokens_per_second"] = statistics.median(r["job"]["tokens_per_second"] for r in report["repeats"])
     report["prefill_tokens_per_second"] = statistics.median(
         r["prefill"]["tokens_per_second"] for r in report["repeats"]

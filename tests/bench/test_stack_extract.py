@@ -31,8 +31,21 @@ def test_the_job_and_the_prefill_measure_the_same_tokens(tiny_model_dir: Path, t
         assert repeat["job"]["samples"] == 6 and repeat["job"]["shards"] == 2, repeat
         assert repeat["job"]["tokens"] == repeat["prefill"]["tokens"] == report["tokens"], repeat
         assert repeat["job"]["tokens_per_second"] > 0 and repeat["prefill"]["tokens_per_second"] > 0
+        # The job's timeline from its manifests: both shards, by the one worker, one after the other, inside the job.
+        timeline = repeat["job"]["timeline"]
+        shards = timeline["shards"]
+        assert (
+            len(shards) == 2
+            and len({s["worker"] for s in shards}) == 1
+            and set(timeline["workers"]) == {shards[0]["worker"]}
+        ), timeline
+        assert 0 <= timeline["first_shard_start_s"] <= shards[0]["started_s"] < shards[0]["committed_s"], timeline
+        assert shards[0]["committed_s"] <= shards[1]["started_s"] < shards[1]["committed_s"], timeline
+        assert timeline["last_commit_s"] == shards[1]["committed_s"], timeline
+        assert all(0 < s["capture_and_write_s"] <= s["committed_s"] - s["started_s"] + 0.01 for s in shards), shards
     assert report["ratio"] == pytest.approx(report["job_tokens_per_second"] / report["prefill_tokens_per_second"])
     assert "extraction job through the stack" in result.stdout
+    assert "from the job's creation to its first shard" in result.stdout
     # Each job was deleted once measured: nothing of them is left in storage.
     storage = tmp_path / "work" / "storage"
     left = [path for repeat in report["repeats"] for path in storage.glob(f"{repeat['job']['job_id']}/**/*")]
