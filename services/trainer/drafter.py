@@ -655,7 +655,11 @@ class Eagle3Drafter(nn.Module):
 
     def project_hidden_states(self, aux_hidden_state: Tensor) -> Tensor:
         assert aux_hidden_state.shape[-1] == self.fc.in_features, (aux_hidden_state.shape, self.fc.in_features)
-        return self.fc(aux_hidden_state.to(self.fc.weight.dtype))  # (B, T, 3H_t) -> (B, T, H)
+        if not torch.is_autocast_enabled(aux_hidden_state.device.type):
+            aux_hidden_state = aux_hidden_state.to(self.fc.weight.dtype)
+        # Under autocast the bf16 states go in as they are: an fp32 copy (4 x 3H_t bytes a token) cast back to bf16
+        # would cost two copies, the second kept for backward beside the batch's own.
+        return self.fc(aux_hidden_state)  # (B, T, 3H_t) -> (B, T, H)
 
     def backbone(
         self,

@@ -570,3 +570,25 @@ def test_compiled_backbone_under_autocast_shares_one_cast_of_its_weights(
         # Both accumulate the steps' gradients of a weight on its one bf16 copy, as eager autocast does.
         assert (actual.float() - expected.float()).norm() <= 2e-2 * expected.float().norm() + 1e-6
     torch._dynamo.reset()
+
+
+def test_under_autocast_the_projection_keeps_the_batchs_own_bf16_states_for_backward(
+    tiny_drafter: tuple[Eagle3Drafter, TargetHead, VocabMapping],
+) -> None:
+    drafter = copy.deepcopy(tiny_drafter[0])
+    aux = torch.randn(2, 16, drafter.fc.in_features).to(torch.bfloat16)
+    saved: list[torch.Tensor] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        projected = drafter.project_hidden_states(aux)
+    # The weight's gradient reads the input: the batch's tensor itself, not an fp32 copy cast back to bf16.
+    assert any(t.data_ptr() == aux.data_ptr() for t in saved), [(t.shape, t.dtype) for t in saved]
+    assert not any(t.shape == aux.shape and t.data_ptr() != aux.data_ptr() for t in saved)
+    expected = torch.nn.functional.linear(aux, drafter.fc.weight.to(torch.bfloat16))
+    torch.testing.assert_close(projected, expected, rtol=0, atol=0)
+    # Without autocast (the CPU's fp32 training) the states are cast to the weight's dtype.
+    assert drafter.project_hidden_states(aux).dtype == torch.float32
