@@ -4,12 +4,12 @@ The stack runs as `eagle3 demo --gpu` runs it (producer API, Redis, --workers Ce
 local storage, states through shared memory). Each repeat submits the same extraction job through the API (--prompts
 records of about --prompt-tokens tokens: the benchmarks' random token ids as preformatted text), reads the job's own
 rate once it has completed (tokens committed over the time from its creation to its last commit, what `eagle3
-progress` shows) and its timeline from its manifests (when each worker started and committed each shard: where
-the job's time beside the server's prefill went), and deletes it (a Llama-8B job stores 32 KB a token); its shards are sized as a GPU job's should
-be, seconds of the server's work (--shard-tokens, default two shards per worker); then the server's own prefill (one
-new token) of the very sequences the job extracted, at the concurrency the workers keep in flight, on the same
-server with nothing in between. Repeats alternate the two, after one small job and prefill that warm the workers and
-the server; the table has the medians and their ratio.
+progress` shows) and its timeline from its manifests (when each worker started and committed each shard: where the
+job's time beside the server's prefill went), and deletes it (a Llama-8B job stores 32 KB a token); its shards are
+sized as a GPU job's should be, seconds of the server's work (--shard-tokens, default two shards per worker); then
+the server's own prefill (one new token) of the very sequences the job extracted, at the concurrency the workers
+keep in flight, on the same server with nothing in between. Repeats alternate the two, after one small job and
+prefill that warm the workers and the server; the table has the medians and their ratio.
 
     python -m bench.stack_extract --model llama-3.1-8b-random --prompts 192 --prompt-tokens 2048 --sglang \\
         --sglang-args "--disable-radix-cache" --repeats 3 --json stack_extract.json
