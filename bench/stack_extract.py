@@ -6,7 +6,7 @@ records of about --prompt-tokens tokens: the benchmarks' random token ids as pre
 rate once it has completed (tokens committed over the time from its creation to its last commit, what `eagle3
 progress` shows) and its timeline from its manifests (when each worker started and committed each shard: where the
 job's time beside the server's prefill went), and deletes it (a Llama-8B job stores 32 KB a token); its shards are
-sized as a GPU job's should be, seconds of the server's work (--shard-tokens, default two shards per worker); then
+sized as a GPU job's should be, seconds of the server's work (--shard-tokens, default two a worker's pool process); then
 the server's own prefill (one new token) of the very sequences the job extracted, at the concurrency the workers
 keep in flight, on the same server with nothing in between. Repeats alternate the two, after one small job and
 prefill that warm the workers and the server; the table has the medians and their ratio.
@@ -90,13 +90,20 @@ def shard_timeline(storage: Storage, job_id: str) -> dict[str, Any]:
     )
     end = max(committed for _, _, committed, _ in spans)
     workers: dict[str, dict[str, float]] = {}
-    for worker, started, committed, _ in spans:
-        w = workers.setdefault(worker, {"first_start_s": started, "between_shards_s": 0.0, "last_commit_s": 0.0})
-        if w["last_commit_s"]:
-            w["between_shards_s"] += started - w["last_commit_s"]
-        w["last_commit_s"] = committed
-    for w in workers.values():
-        w["after_last_shard_s"] = end - w["last_commit_s"]
+    for worker in sorted({worker for worker, *_ in spans}):
+        # A worker of several pool processes runs shards side by side: its time with no shard open is what is left
+        # of its span once the union of its shards' spans is taken out.
+        first, covered, reach = math.inf, 0.0, -math.inf
+        for _, started, committed, _ in (span for span in spans if span[0] == worker):  # sorted by start
+            first = min(first, started)
+            covered += max(0.0, committed - max(started, reach))
+            reach = max(reach, committed)
+        workers[worker] = {
+            "first_start_s": first,
+            "between_shards_s": reach - first - covered,
+            "last_commit_s": reach,
+            "after_last_shard_s": end - reach,
+        }
     return {
         "first_shard_start_s": min(started for _, started, _, _ in spans),
         "last_commit_s": end,
@@ -184,13 +191,22 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=192)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--inference-concurrency", type=int, default=4, help="capture requests in flight per worker")
+    parser.add_argument(
+        "--worker-concurrency",
+        type=int,
+        default=1,
+        help="shards a worker runs at once (its pool processes, EAGLE3_WORKER_CONCURRENCY): with more than one, a "
+        "shard's last writes overlap the next shard's captures",
+    )
+    parser.add_argument(
+        "--inference-concurrency", type=int, default=4, help="capture requests in flight per shard a worker runs"
+    )
     parser.add_argument("--write-concurrency", type=int, default=8, help="sample writer threads per worker")
     parser.add_argument(
         "--shard-tokens",
         type=int,
-        help="the job's shard size (default: two shards per worker, as a GPU job is sized: seconds of the server's "
-        "work each, where the API's default of 16,384 tokens is a fraction of a second of an 8B prefill)",
+        help="the job's shard size (default: two shards per worker pool process, as a GPU job is sized: seconds of "
+        "the server's work each, where the API's default of 16,384 tokens is a fraction of a second of an 8B prefill)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="jobs and prefills, alternating")
     parser.add_argument("--sglang", action="store_true", help="SGLang with the capture plugin as the capture server")
@@ -229,19 +245,20 @@ def main() -> None:
         inference_concurrency=args.inference_concurrency,
         regenerate_concurrency=1,
         write_concurrency=args.write_concurrency,
-    )
+    ).model_copy(update={"worker_concurrency": args.worker_concurrency})
     inference_argv = None
     if args.sglang:
         inference_argv = [args.sglang_python, "-m", "eagle3_sglang_plugin.launch", *sglang_args]
     tokens = sum(len(s) for s in sequences)
-    shard_tokens = args.shard_tokens or math.ceil(tokens / (2 * args.workers))
+    shards_at_once = args.workers * args.worker_concurrency
+    shard_tokens = args.shard_tokens or math.ceil(tokens / (2 * shards_at_once))
     spec = {
         "dataset_url": str(dataset),
         "model_path": str(model_dir),
         "max_length": max_length,
         "shard_token_budget": shard_tokens,
     }
-    concurrency = args.workers * args.inference_concurrency
+    concurrency = shards_at_once * args.inference_concurrency
     report: dict[str, Any] = {
         "model": args.model,
         "server": "sglang" if args.sglang else "reference",
@@ -249,6 +266,7 @@ def main() -> None:
         "tokens": tokens,
         "shard_tokens": shard_tokens,
         "workers": args.workers,
+        "worker_concurrency": args.worker_concurrency,
         "inference_concurrency": args.inference_concurrency,
         "prefill_concurrency": concurrency,
         "repeats": [],

@@ -92,7 +92,8 @@
 #               shards a worker) through the stack against the same server's own prefill of the same sequences
 #               (bench/stack_extract), STACK_REPEATS (3) repeats; the stack took 143 s to start on an H100; a job
 #               pays 1.2-1.3 s once (0.88x SGLang's prefill at 192 prompts, 0.96x at 576, 2026-12-07)
-#               (STACK_ARGS: more SGLang arguments)
+#               (STACK_ARGS: more SGLang arguments; STACK_BENCH_ARGS: more of the benchmark's, e.g.
+#               "--worker-concurrency 2 --inference-concurrency 2": the same 8 in flight, two shards open a worker)
 #   regen-ab    regeneration on the capture server as the GPU demo launches it, without SGLang's prefill delayer
 #               (EAGLE3_SGLANG_PREFILL_DELAYER=0) and with it (the launcher's default, plus REGEN_AB_ARGS):
 #               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
@@ -313,7 +314,7 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     # server's own prefill of the same sequences (bench/stack_extract): 192 prompts of 2,048 tokens, 3 repeats.
     timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m bench.stack_extract --model llama-3.1-8b-random --prompts "${STACK_PROMPTS:-192}" \
       --prompt-tokens 2048 --sglang --sglang-args "$DEVICE_ARGS ${STACK_ARGS:-}" --repeats "${STACK_REPEATS:-3}" \
-      --work-dir /tmp/stack_extract --json "$OUTD/stack_extract.json" > "$OUTD/stack_extract.log" 2>&1
+      --work-dir /tmp/stack_extract --json "$OUTD/stack_extract.json" ${STACK_BENCH_ARGS:-} > "$OUTD/stack_extract.log" 2>&1
     rc=$?; tail -n 30 "$OUTD/stack_extract.log"
     [ $rc = 0 ] || exit $rc ;;
   regen-ab)
