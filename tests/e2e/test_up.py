@@ -40,7 +40,9 @@ def test_eagle3_up_hands_its_session_token_to_the_cli(tmp_path: Path, tiny_model
             preexec_fn=default_sigint,
         )
     try:
-        wait_until(lambda: "stack up" in (tmp_path / "up.log").read_text(), timeout_s=300)
+        # `eagle3 up`'s own line, printed once the token is written; the stack's log line before it ("local stack up")
+        # comes just before the write, and a test reading the file then could run before it (CI, 2026-12-07).
+        wait_until(lambda: "stack up: producer" in (tmp_path / "up.log").read_text(), timeout_s=300)
         assert oct(token_file.stat().st_mode & 0o777) == "0o600"
         anonymous = httpx.post(f"http://127.0.0.1:{api_port}/v1/jobs", json={"dataset_url": "x"}, timeout=30)
         assert anonymous.status_code == 401
