@@ -72,9 +72,9 @@ def shard_timeline(storage: Storage, job_id: str) -> dict[str, Any]:
     """Where a completed job's time went, from its job.json and its shards' manifests (each stamped by its worker:
     started, committed, seconds capturing and writing), in seconds from the job record's creation (job.json's
     `created_at`, taken as its planning ends; its rate counts from its publishing, a little later): to its first
-    shard's start, each
-    shard's span and how much of it was the captures and writes, and each worker's time between its shards and after
-    its last one, up to the job's last commit. What a job pays beside the server's own prefill is among these."""
+    shard's start, each shard's span and how much of it was the captures and writes, and each worker's time between
+    its shards and after its last one, up to the job's last commit. What a job pays beside the server's own prefill
+    is among these."""
     created = datetime.fromisoformat(json.loads(storage.get(layout.job_json(job_id)))["created_at"]).timestamp()
     manifests = [
         Manifest.model_validate_json(storage.get(key)) for key in storage.list(layout.manifests_prefix(job_id))

@@ -286,8 +286,8 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     averages = profiler.key_averages()
     by_kind = kernel_categories(averages, path.with_suffix(".json"))
     for kind, kernels in top_kernels(averages).items():
-        for name, ms, launches in kernels:
-            print(f"  {kind:<28} {ms:8.2f} ms {launches:5d}x  {name}", flush=True)
+        for kernel, ms, launches in kernels:
+            print(f"  {kind:<28} {ms:8.2f} ms {launches:5d}x  {kernel}", flush=True)
     try:
         table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
     except Exception:  # older spelling

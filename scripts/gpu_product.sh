@@ -88,8 +88,8 @@
 #               host's Python that take the time; the traces come back as step-profile-traces.tar.part-*
 #   step-profile-8b  the same at Llama-3.1-8B dimensions, target and drafter of random weights (no model files):
 #               what a speculative step costs in plain tokens where a token is not almost all fixed overhead
-#   stack-8b    a whole extraction job at Llama-3.1-8B shape (random weights, STACK_PROMPTS (192) prompts of 2,048 tokens, two
-#               shards a worker) through the stack against the same server's own prefill of the same sequences
+#   stack-8b    a whole extraction job at Llama-3.1-8B shape (random weights, STACK_PROMPTS (192) prompts of 2,048
+#               tokens, two shards a worker) through the stack against the same server's own prefill of the same sequences
 #               (bench/stack_extract), STACK_REPEATS (3) repeats; the stack took 143 s to start on an H100; a job
 #               pays 1.2-1.3 s once (0.88x SGLang's prefill at 192 prompts, 0.96x at 576, 2026-12-07)
 #               (STACK_ARGS: more SGLang arguments; STACK_BENCH_ARGS: more of the benchmark's, e.g.
@@ -311,7 +311,8 @@ print_engine_report(json.load(open('$OUTD/engine_eval.json')), Console(width=250
     [ $rc = 0 ] || exit $rc ;;
   stack-8b)
     # A whole extraction job at Llama-3.1-8B shape (random weights) through the stack, against the same SGLang
-    # server's own prefill of the same sequences (bench/stack_extract): 192 prompts of 2,048 tokens, 3 repeats.
+    # server's own prefill of the same sequences (bench/stack_extract): STACK_PROMPTS (192) prompts of 2,048 tokens,
+    # STACK_REPEATS (3) repeats.
     timeout "${STAGE_TIMEOUT:-$(left)}" python3 -m bench.stack_extract --model llama-3.1-8b-random --prompts "${STACK_PROMPTS:-192}" \
       --prompt-tokens 2048 --sglang --sglang-args "$DEVICE_ARGS ${STACK_ARGS:-}" --repeats "${STACK_REPEATS:-3}" \
       --work-dir /tmp/stack_extract --json "$OUTD/stack_extract.json" ${STACK_BENCH_ARGS:-} > "$OUTD/stack_extract.log" 2>&1
