@@ -10,8 +10,9 @@ Compares, on random data (no model files: the embedding and the target head are 
   kernels, ...).
 
 Variants: eager (eager attention, eager loss), fast (sdpa attention, fused loss), fast+compile (fast plus
-`Eagle3Drafter.compile_backbone`). It imports only torch and the trainer's drafter and loss modules, and writes
-JSON after every measurement, so a run cut short still leaves its numbers.
+`Eagle3Drafter.compile_backbone`: the trainer's default on CUDA), fast+compile+eager-merge (that with the TTT
+attention's diagonal merges run as written, not compiled). It imports only torch and the trainer's drafter and
+loss modules, and writes JSON after every measurement, so a run cut short still leaves its numbers.
 
     PYTHONUNBUFFERED=1 python -m bench.ttt_step_profile --out /tmp/ttt_step_profile
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from services.trainer import drafter as drafter_module
 from services.trainer import loss as loss_module
 from services.trainer.drafter import DrafterConfig, Eagle3Drafter, TargetHead, ttt_attention, ttt_attention_sdpa
 from services.trainer.loss import Batch, soft_cross_entropy, soft_cross_entropy_kernel, ttt_loss
@@ -33,10 +35,12 @@ TTT_LENGTH = 7
 SHAPES = [(1, 2048), (4, 2048)]
 DEVICE = torch.device("cuda")  # --smoke: a tiny model on the CPU, to check this script without a GPU
 SPECFORGE_TOKENS_PER_S = {(1, 2048): 17532, (4, 2048): 24187}  # docs/benchmarks.md, one H100
-VARIANTS = {  # name: (attn_implementation, loss_implementation, compile_backbone)
-    "eager": ("eager", "eager", False),
-    "fast": ("sdpa", "fused", False),
-    "fast+compile": ("sdpa", "fused", True),
+VARIANTS = {  # name: (attn_implementation, loss_implementation, compile_backbone, compiled TTT attention merges)
+    "eager": ("eager", "eager", False, False),
+    "fast": ("sdpa", "fused", False, True),
+    "fast+compile": ("sdpa", "fused", True, True),
+    # the default before the merges were compiled (`drafter.COMPILE_MERGE_ON_CUDA`), to measure them beside it
+    "fast+compile+eager-merge": ("sdpa", "fused", True, False),
 }
 
 
@@ -112,8 +116,9 @@ def random_batch(config: DrafterConfig, B: int, T: int, device: torch.device, se
 def set_variant(drafter: Eagle3Drafter, name: str) -> str:
     """Switch a built drafter to a variant; returns its loss_implementation. Compiling is undone for the variants
     without it by setting the modules' compiled call aside (nn.Module.compile keeps it in `_compiled_call_impl`)."""
-    attn_implementation, loss_implementation, compile_backbone = VARIANTS[name]
+    attn_implementation, loss_implementation, compile_backbone, compiled_merges = VARIANTS[name]
     drafter.config.attn_implementation = attn_implementation
+    drafter_module.COMPILE_MERGE_ON_CUDA = compiled_merges
     modules = (drafter.midlayer, drafter.norm)
     if compile_backbone and not hasattr(drafter, "compiled_calls"):
         drafter.compile_backbone()
@@ -451,10 +456,10 @@ def main() -> None:
     print(json.dumps(report.get("attention_parity"), indent=1))
     print(json.dumps(report.get("soft_cross_entropy_parity"), indent=1))
     print(json.dumps(report.get("loss_agreement"), indent=1))
-    print(f"{'variant':14s} {'batch':7s} {'step ms':>9s} {'tokens/s':>9s} {'x SpecForge':>11s} {'peak GiB':>9s}")
+    print(f"{'variant':24s} {'batch':7s} {'step ms':>9s} {'tokens/s':>9s} {'x SpecForge':>11s} {'peak GiB':>9s}")
     for r in report["results"]:
         print(
-            f"{r['variant']:14s} {r['batch']:7s} {r['step_ms']:9.1f} {r['tokens_per_s']:9d} "
+            f"{r['variant']:24s} {r['batch']:7s} {r['step_ms']:9.1f} {r['tokens_per_s']:9d} "
             f"{r['vs_specforge']:11.3f} {r['peak_gib']:9.2f}"
         )
     for name, error in report["errors"].items():

@@ -43,9 +43,11 @@ Checked against (read, not copied):
   specforge/modeling/target/target_head.py (frozen target lm_head applied to the stored final state).
 """
 
+import functools
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -292,6 +294,90 @@ def _by_head(x: Tensor) -> Tensor:
     return x.transpose(2, 3).flatten(1, 2)
 
 
+def _row_scores(a: Tensor, b: Tensor) -> Tensor:
+    """(..., G, D) x (..., i, D) -> (..., G, i): each row's G query heads against its own i keys. Compiled, as a
+    product summed over D, which Inductor fuses into one pass over the inputs; eagerly, a batched matmul."""
+    if torch.compiler.is_compiling():
+        return (a[..., :, None, :] * b[..., None, :, :]).sum(-1)
+    return a @ b.transpose(-1, -2)
+
+
+def _row_mix(p: Tensor, v: Tensor) -> Tensor:
+    """(..., G, i) x (..., i, D) -> (..., G, D): each row's weights over its own i values."""
+    if torch.compiler.is_compiling():
+        return (p[..., :, :, None] * v[..., None, :, :]).sum(-2)
+    return p @ v
+
+
+def _row_outer(p: Tensor, x: Tensor) -> Tensor:
+    """(..., G, i) x (..., G, D) -> (..., i, D): summed over each row's G query heads."""
+    if torch.compiler.is_compiling():
+        return (p[..., :, :, None] * x[..., :, None, :]).sum(-3)
+    return p.transpose(-1, -2) @ x
+
+
+def diagonal_merge_forward(
+    query: Tensor, later_keys: Tensor, later_values: Tensor, out0: Tensor, lse0: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Step 0's flash output and logsumexp merged with the diagonal terms of steps 1..i (the note above), fp32 inside.
+    query, out0 (B, nh, T, D); later_keys / later_values (B, nkv, T, i, D); lse0 fp32 (B, nh, T).
+    Returns out (B, nh, T, D) in the query's dtype and the merged lse (B, nh, T)."""
+    nkv = later_keys.shape[1]
+    q = _by_kv_head(query.float(), nkv)  # (B, nkv, T, G, D)
+    scores = _row_scores(q, later_keys.float()) * scale  # (B, nkv, T, G, i)
+    lse0 = _by_kv_head(lse0, nkv)  # (B, nkv, T, G)
+    lse = torch.cat([lse0[..., None], scores], dim=-1).logsumexp(-1)  # (B, nkv, T, G)
+    probs = (scores - lse[..., None]).exp()  # (B, nkv, T, G, i)
+    merged = _by_kv_head(out0.float(), nkv) * (lse0 - lse).exp()[..., None] + _row_mix(probs, later_values.float())
+    return _by_head(merged.to(query.dtype)), _by_head(lse).contiguous()
+
+
+def diagonal_merge_backward(
+    grad_out: Tensor,
+    grad_query0: Tensor,
+    query: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    later_keys: Tensor,
+    later_values: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The diagonal terms' share of the gradient, softmax backward on each row's i extra scores:
+    dv = p^T dout, ds = p * (dout v^T - rowsum(dout * out)), dq += ds k, dk = ds^T q. grad_query0 is the flash
+    backward's gradient of the query (B, nh, T, D); returns the query's whole gradient and those of the later keys
+    and values (B, nkv, T, i, D), in the query's dtype."""
+    nkv = later_keys.shape[1]
+    q = _by_kv_head(query.float(), nkv)  # (B, nkv, T, G, D)
+    dout = _by_kv_head(grad_out.float(), nkv)  # (B, nkv, T, G, D)
+    keys, values = later_keys.float(), later_values.float()  # (B, nkv, T, i, D)
+    lse = _by_kv_head(lse, nkv)  # (B, nkv, T, G)
+    probs = (_row_scores(q, keys) * scale - lse[..., None]).exp()  # (B, nkv, T, G, i)
+    delta = (dout * _by_kv_head(out.float(), nkv)).sum(-1)  # (B, nkv, T, G)
+    grad_scores = probs * (_row_scores(dout, values) - delta[..., None])  # (B, nkv, T, G, i)
+    grad_q = _by_kv_head(grad_query0.float(), nkv) + _row_mix(grad_scores, keys) * scale  # (B, nkv, T, G, D)
+    grad_keys = (_row_outer(grad_scores, q) * scale).to(query.dtype)  # (B, nkv, T, i, D)
+    grad_values = _row_outer(probs, dout).to(query.dtype)  # (B, nkv, T, i, D)
+    return _by_head(grad_q.to(query.dtype)), grad_keys, grad_values
+
+
+# On CUDA the two merges are compiled: each becomes a few fused kernels reading the bf16 tensors once, where eagerly
+# every fp32 upcast and intermediate is a tensor of its own (about 2 GB written per step at 8,192 tokens and 8B dims).
+# Set to False to run them as written on CUDA too.
+COMPILE_MERGE_ON_CUDA = True
+
+
+@functools.cache
+def _compiled_merges() -> tuple[Callable, Callable]:
+    # dynamic: the number of later steps, the batch and the sequence length all vary
+    return torch.compile(diagonal_merge_forward, dynamic=True), torch.compile(diagonal_merge_backward, dynamic=True)
+
+
+def _merges(x: Tensor) -> tuple[Callable, Callable]:
+    if x.is_cuda and COMPILE_MERGE_ON_CUDA:
+        return _compiled_merges()
+    return diagonal_merge_forward, diagonal_merge_backward
+
+
 class _TTTAttention(torch.autograd.Function):
     """`ttt_attention` with the default causal block, as flash attention plus a log-space merge (see above).
     The merge runs in fp32 with autocast off, so backward recomputes exactly the probabilities forward used."""
@@ -303,22 +389,16 @@ class _TTTAttention(torch.autograd.Function):
             # steps = keys[0..i] then values[0..i], each (B, nkv, T, D); query (B, nh, T, D); G = nh // nkv
             num_steps = len(steps) // 2
             keys, values = steps[:num_steps], steps[num_steps:]
-            nkv = keys[0].shape[1]
-            G = query.shape[1] // nkv
-            out0, lse0, state = _causal_block_forward(
+            G = query.shape[1] // keys[0].shape[1]
+            out, lse, state = _causal_block_forward(
                 query, repeat_kv(keys[0], G), repeat_kv(values[0], G), scale
             )  # (B, nh, T, D), (B, nh, T)
-            out, lse = out0, lse0.contiguous()
+            lse = lse.contiguous()
             if num_steps > 1:
-                q = _by_kv_head(query.float(), nkv)  # (B, nkv, T, G, D)
-                later_keys = torch.stack(keys[1:], dim=3).float()  # (B, nkv, T, i, D): row t's own keys of steps 1..i
-                later_values = torch.stack(values[1:], dim=3).float()  # (B, nkv, T, i, D)
-                scores = q @ later_keys.transpose(-1, -2) * scale  # (B, nkv, T, G, i)
-                lse0 = _by_kv_head(lse0, nkv)  # (B, nkv, T, G)
-                lse = torch.cat([lse0[..., None], scores], dim=-1).logsumexp(-1)  # (B, nkv, T, G)
-                probs = (scores - lse[..., None]).exp()  # (B, nkv, T, G, i)
-                merged = _by_kv_head(out0.float(), nkv) * (lse0 - lse).exp()[..., None] + probs @ later_values
-                out, lse = _by_head(merged.to(query.dtype)), _by_head(lse).contiguous()  # (B, nh, T, D), (B, nh, T)
+                merge_forward, _ = _merges(query)
+                # row t's own keys and values of steps 1..i: (B, nkv, T, i, D)
+                later_keys, later_values = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
+                out, lse = merge_forward(query, later_keys, later_values, out, lse, scale)
             ctx.scale, ctx.state, ctx.num_steps = scale, state, num_steps
             ctx.save_for_backward(query, out, lse, *steps)
             return out
@@ -330,29 +410,19 @@ class _TTTAttention(torch.autograd.Function):
             keys, values = steps[: ctx.num_steps], steps[ctx.num_steps :]
             nkv = keys[0].shape[1]
             G = query.shape[1] // nkv
-            scale = ctx.scale
             grad_out = grad_out.contiguous()
             # Step 0's block: the flash backward, handed the merged out and lse (see the note above the class).
             grad_query, grad_key0, grad_value0 = _causal_block_backward(
-                grad_out, query, repeat_kv(keys[0], G), repeat_kv(values[0], G), out, lse, scale, ctx.state
+                grad_out, query, repeat_kv(keys[0], G), repeat_kv(values[0], G), out, lse, ctx.scale, ctx.state
             )
             grad_keys = [grad_key0.unflatten(1, (nkv, G)).sum(2)]  # (B, nkv, T, D): a kv head's G query heads add up
             grad_values = [grad_value0.unflatten(1, (nkv, G)).sum(2)]
             if ctx.num_steps > 1:
-                # The diagonal terms, softmax backward on each row's i extra scores:
-                # dv = p^T dout, ds = p * (dout v^T - rowsum(dout * out)), dq += ds k, dk = ds^T q.
-                q = _by_kv_head(query.float(), nkv)  # (B, nkv, T, G, D)
-                dout = _by_kv_head(grad_out.float(), nkv)  # (B, nkv, T, G, D)
-                later_keys = torch.stack(keys[1:], dim=3).float()  # (B, nkv, T, i, D)
-                later_values = torch.stack(values[1:], dim=3).float()  # (B, nkv, T, i, D)
-                lse = _by_kv_head(lse, nkv)  # (B, nkv, T, G)
-                probs = (q @ later_keys.transpose(-1, -2) * scale - lse[..., None]).exp()  # (B, nkv, T, G, i)
-                delta = (dout * _by_kv_head(out.float(), nkv)).sum(-1)  # (B, nkv, T, G)
-                grad_scores = probs * (dout @ later_values.transpose(-1, -2) - delta[..., None])  # (B, nkv, T, G, i)
-                grad_q = _by_kv_head(grad_query.float(), nkv) + grad_scores @ later_keys * scale  # (B, nkv, T, G, D)
-                grad_query = _by_head(grad_q.to(query.dtype))  # (B, nh, T, D)
-                grad_later_keys = (grad_scores.transpose(-1, -2) @ q * scale).to(query.dtype)  # (B, nkv, T, i, D)
-                grad_later_values = (probs.transpose(-1, -2) @ dout).to(query.dtype)  # (B, nkv, T, i, D)
+                _, merge_backward = _merges(query)
+                later_keys, later_values = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
+                grad_query, grad_later_keys, grad_later_values = merge_backward(
+                    grad_out, grad_query, query, out, lse, later_keys, later_values, ctx.scale
+                )
                 grad_keys += grad_later_keys.unbind(3)
                 grad_values += grad_later_values.unbind(3)
             return None, grad_query, *grad_keys, *grad_values

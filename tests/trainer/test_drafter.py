@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaForCausalLM
 
+from services.trainer import drafter as drafter_module
 from services.trainer.drafter import (
     DrafterConfig,
     Eagle3Attention,
@@ -299,6 +300,28 @@ def test_sdpa_ttt_attention_matches_eager_forward_and_backward(steps: int) -> No
     # CPU fp32 takes the same path as CUDA bf16 (flash kernel for step 0's block, log-space merge, custom backward).
     eager = ttt_attention_outputs_and_grads(ttt_attention, steps, dtype=torch.float32, device="cpu")
     fast = ttt_attention_outputs_and_grads(ttt_attention_sdpa, steps, dtype=torch.float32, device="cpu")
+    for reference, got in zip(eager, fast, strict=True):
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [2, 5])
+def test_sdpa_ttt_attention_with_traced_merges_matches_eager(steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On CUDA the diagonal merges run compiled, where they take their summed-product forms (`_row_scores`, ...);
+    # aot_eager traces them the same way on the CPU, without a C++ compiler.
+    compiled = tuple(
+        torch.compile(merge, backend="aot_eager", dynamic=True)
+        for merge in (drafter_module.diagonal_merge_forward, drafter_module.diagonal_merge_backward)
+    )
+    calls: list[int] = []
+
+    def traced_merges(x: torch.Tensor) -> tuple:
+        calls.append(1)
+        return compiled
+
+    monkeypatch.setattr(drafter_module, "_merges", traced_merges)
+    eager = ttt_attention_outputs_and_grads(ttt_attention, steps, dtype=torch.float32, device="cpu")
+    fast = ttt_attention_outputs_and_grads(ttt_attention_sdpa, steps, dtype=torch.float32, device="cpu")
+    assert len(calls) == 2  # forward and backward both took the traced merges
     for reference, got in zip(eager, fast, strict=True):
         torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
 
