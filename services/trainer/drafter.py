@@ -360,10 +360,11 @@ def diagonal_merge_backward(
     return _by_head(grad_q.to(query.dtype)), grad_keys, grad_values
 
 
-# On CUDA the two merges are compiled: each becomes a few fused kernels reading the bf16 tensors once, where eagerly
-# every fp32 upcast and intermediate is a tensor of its own (about 2 GB written per step at 8,192 tokens and 8B dims).
-# Set to False to run them as written on CUDA too.
-COMPILE_MERGE_ON_CUDA = True
+# Compiled, each merge becomes a few fused kernels reading the bf16 tensors once, where as written every fp32 upcast
+# and intermediate is a tensor of its own (about 2 GB written per unrolled step at 8,192 tokens and 8B dims). Off
+# until a GPU has measured it against the merges as written (`bench/ttt_step_profile.py`, variant
+# fast+compile+compiled-merge); the CPU traces the compiled forms in the tests.
+COMPILE_MERGE_ON_CUDA = False
 
 
 @functools.cache
