@@ -11,8 +11,8 @@ Compares, on random data (no model files: the embedding and the target head are 
 
 Variants: eager (eager attention, eager loss), fast (sdpa attention, fused loss), fast+compile (fast plus
 `Eagle3Drafter.compile_backbone`: the trainer's default on CUDA), fast+compile+compiled-merge (that with the TTT
-attention's diagonal merges compiled too). It imports only torch and the trainer's drafter and
-loss modules, and writes JSON after every measurement, so a run cut short still leaves its numbers.
+attention's diagonal merges compiled too). It imports only torch and the trainer's drafter and loss modules, and
+writes JSON after every measurement, so a run cut short still leaves its numbers.
 
     PYTHONUNBUFFERED=1 python -m bench.ttt_step_profile --out /tmp/ttt_step_profile
 """

@@ -306,8 +306,8 @@ def test_sdpa_ttt_attention_matches_eager_forward_and_backward(steps: int) -> No
 
 @pytest.mark.parametrize("steps", [2, 5])
 def test_sdpa_ttt_attention_with_traced_merges_matches_eager(steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # On CUDA the diagonal merges run compiled, where they take their summed-product forms (`_row_scores`, ...);
-    # aot_eager traces them the same way on the CPU, without a C++ compiler.
+    # Compiled (CUDA with COMPILE_MERGE_ON_CUDA), the diagonal merges take their summed-product forms (`_row_scores`,
+    # ...); aot_eager traces them the same way on the CPU, without a C++ compiler.
     compiled = tuple(
         torch.compile(merge, backend="aot_eager", dynamic=True)
         for merge in (drafter_module.diagonal_merge_forward, drafter_module.diagonal_merge_backward)
