@@ -32,7 +32,7 @@ import torch
 
 from services.trainer.config import TrainConfig
 from services.trainer.drafter import DrafterConfig, Eagle3Drafter, TargetHead
-from services.trainer.loss import Batch
+from services.trainer.loss import Batch, with_token_embeds
 from services.trainer.step import TTTObjective, build_optimizer, build_scheduler, place_models, train_step
 
 
@@ -145,7 +145,9 @@ def measure(
     drafter, target_head = random_models(shape)
     step = trainer_step(drafter, target_head, device, total_steps=warmup + steps + 1, compile_backbone=compile_backbone)
     generator = torch.Generator().manual_seed(0)
-    batches = [random_batch(shape, batch_size, seq_len, generator) for _ in range(2)]
+    # The tokens' embeddings looked up on the host, as the trainer's loader does while the step before runs.
+    embedding = drafter.embed_tokens.weight.detach()
+    batches = [with_token_embeds(random_batch(shape, batch_size, seq_len, generator), embedding) for _ in range(2)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []

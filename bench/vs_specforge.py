@@ -15,10 +15,10 @@ export is it, filtered).
    (`loss_mask[t + 2 + i]`), so SpecForge's batch gets our mask shifted left by two: the same rows count on both
    sides. Per-step accuracies are compared too (one argmax flipped by rounding moves them by 1/rows).
 2. Our default (the compiled backbone on CUDA, as the trainer runs there) and our variants (--ours-variants: eager,
-   the recomputing flags) against the readable reference (the eager backbone, autograd through the logits and the
-   eager loss), on the same batch in fp32: every trainable weight's gradient of the TTT loss must agree, or the rows
-   are marked (a variant that is faster because its backward lost work is not faster: torch 2.11 once compiled the
-   backbone into a backward that returned zeros).
+   the recomputing flags, the TTT attention's compiled merges) against the readable reference (the eager backbone,
+   autograd through the logits and the eager loss), on the same batch in fp32: every trainable weight's gradient of
+   the TTT loss must agree, or the rows are marked (a variant that is faster because its backward lost work is not
+   faster: torch 2.11 once compiled the backbone into a backward that returned zeros).
 3. Throughput and memory per batch shape: each side's whole optimizer step (forward, backward, clip, AdamW), the
    median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
    of memory on one side is named in the table; the other side is still measured. Each side starts from a GPU that
@@ -47,13 +47,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from bench.memory_peak import format_breakdown, peak_breakdown, recorded_allocations
 from bench.trainer_throughput import SHAPES, Shape, random_models, trainer_step
+from services.trainer import drafter as drafter_module
 from services.trainer.config import TrainConfig, compiles_backbone
 from services.trainer.drafter import Eagle3Drafter, TargetHead
 from services.trainer.export import sglang_config
-from services.trainer.loss import Batch, shift_left, ttt_loss
+from services.trainer.loss import Batch, ttt_loss, with_token_embeds
 
 DIMS = {
     "llama3-8b": SHAPES["llama3-8b"],
@@ -160,7 +162,7 @@ class SpecForgeStep:
             tensors={
                 "input_ids": batch.input_ids.to(device),
                 "attention_mask": batch.attention_mask.long().to(device),
-                "loss_mask": shift_left(predictable, 2).to(device),
+                "loss_mask": F.pad(predictable[:, 2:], (0, 2)).to(device),  # shifted left by 2
                 "hidden_state": batch.aux_hidden_state.to(device=device, dtype=self.target_head.fc.weight.dtype),
                 "target": batch.hidden_state.to(device=device, dtype=self.target_head.fc.weight.dtype),
             },
@@ -279,6 +281,8 @@ class OursVariant:
 
     compile_backbone: bool | None = None
     recompute_mlp: bool = False
+    # the TTT attention's diagonal merges compiled on CUDA (None: `drafter.COMPILE_MERGE_ON_CUDA` as it is)
+    compiled_merges: bool | None = None
 
 
 # Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
@@ -290,6 +294,7 @@ OURS_VARIANTS = {
     OURS_REFERENCE: OursVariant(compile_backbone=False),
     "compile": OursVariant(compile_backbone=True),
     "recompute_mlp": OursVariant(recompute_mlp=True),
+    "compiled_merges": OursVariant(compiled_merges=True),
 }
 
 
@@ -307,10 +312,14 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
     if compiled:
         drafter.compile_backbone()
     drafter.config.recompute_mlp = setup.recompute_mlp
+    merges_default = drafter_module.COMPILE_MERGE_ON_CUDA
+    if setup.compiled_merges is not None:
+        drafter_module.COMPILE_MERGE_ON_CUDA = setup.compiled_merges
     try:
         yield drafter
     finally:
         drafter.config.recompute_mlp = False
+        drafter_module.COMPILE_MERGE_ON_CUDA = merges_default
         # The weights (a compiled copy's too, whatever still refers to it) leave the GPU to the next side.
         for model in (drafter, models.drafter, models.target_head):
             model.cpu()
@@ -346,7 +355,10 @@ def measure_ours(
     before = settle(device)
     with ours_as(models, variant, device) as drafter:
         step = trainer_step(drafter, models.target_head, device, total_steps=warmup + steps + 1)
-        on_device = [b.to(device) for b in batches]  # as on SpecForge's side: the step, not the copy, is timed
+        # As on SpecForge's side the step, not the copy, is timed; the tokens' embeddings are looked up on the host, as
+        # the trainer's loader does while the step before runs (SpecForge's step looks them up on the GPU).
+        embedding = drafter.embed_tokens.weight.detach()
+        on_device = [with_token_embeds(b, embedding).to(device) for b in batches]
         result = timed_steps(
             lambda i: step(on_device[i % len(on_device)]),
             device=device,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, Field
 
-from services.trainer.loss import Batch
+from services.trainer.loss import Batch, with_token_embeds
 from shared.data.model_assets import language_model_config
 from shared.errors import ConfigurationError, Eagle3Error, StorageUnavailable
 from shared.lifecycle import followers, progress
@@ -622,9 +622,11 @@ class SampleLoader:
         decoded: DecodedSampleCache | None = None,
         io_threads: int = 4,
         stats: DataStats | None = None,
+        token_embedding: torch.Tensor | None = None,
     ) -> None:
         self.storage, self.job_id, self.hidden_size, self.cache = storage, job_id, hidden_size, cache
         self.decoded = decoded
+        self.token_embedding = token_embedding  # [V, H] on the host: each batch gets its tokens' embeddings
         self.stats = stats or DataStats()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="sample-io")
         self._lock = threading.Lock()
@@ -639,7 +641,10 @@ class SampleLoader:
         records = [
             r for r in self._pool.map(lambda s: self._fetch(s, planned.length, stats), planned.samples) if r is not None
         ]
-        return collate(records) if records else None
+        if not records:
+            return None
+        batch = collate(records)
+        return batch if self.token_embedding is None else with_token_embeds(batch, self.token_embedding)
 
     def _fetch(self, sample: ManifestSample, max_length: int, stats: DataStats) -> dict[str, torch.Tensor] | None:
         try:

@@ -43,10 +43,11 @@ SafeAILab/EAGLE eagle/traineagle3/cnets.py.
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from services.trainer.drafter import Eagle3Drafter, TargetHead, TTTCache, autocast_input
@@ -59,6 +60,9 @@ class Batch:
     aux_hidden_state: Tensor  # [B, T, 3H_t], three target layers concatenated, low to high
     hidden_state: Tensor  # [B, T, H_t], the target's post-final-norm state (input to its lm_head)
     attention_mask: Tensor  # bool [B, T], False on right padding
+    # [B, T, H] the drafter's (frozen) token embeddings of input_ids, looked up by the trainer's loader on the host
+    # (`with_token_embeds`) so that the embedding table never takes GPU memory; None: the drafter looks them up
+    token_embeds: Tensor | None = None
 
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(
@@ -67,7 +71,14 @@ class Batch:
             aux_hidden_state=self.aux_hidden_state.to(device),
             hidden_state=self.hidden_state.to(device),
             attention_mask=self.attention_mask.to(device),
+            token_embeds=None if self.token_embeds is None else self.token_embeds.to(device),
         )
+
+
+def with_token_embeds(batch: Batch, embedding: Tensor) -> Batch:
+    """The batch with its tokens' embeddings looked up in `embedding` [V_target, H] (a table on the host: a gather of
+    H values a token, done by the loader's threads while the step before runs)."""
+    return replace(batch, token_embeds=F.embedding(batch.input_ids.to(embedding.device), embedding))
 
 
 @dataclass
@@ -77,14 +88,6 @@ class TTTOutput:
     step_accuracies: list[float]  # per unrolled step; 0.0 where a step has no counted rows
     num_loss_tokens: int  # counted rows at step 0
     step_num_tokens: list[int]  # counted rows per step (fewer later: the sequence ends sooner), for weighted means
-
-
-def shift_left(x: Tensor, n: int, fill: float | bool = 0) -> Tensor:
-    """x[:, t] <- x[:, t + n] along dim 1; the last n positions get `fill`."""
-    shifted = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        shifted[:, : x.shape[1] - n] = x[:, n:]
-    return shifted
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -285,8 +288,12 @@ def ttt_loss(
             target_token, target_p = target_token.view(B, T), target_p.view(B, T, -1)  # (B, T), (B, T, V_draft)
         target_in_draft = drafter.t2d[target_token]  # could the drafter propose it at all?
 
-    # Step 2: step 0's hidden state is the projection of the target's three aux layers.
+    # Step 2: step 0's hidden state is the projection of the target's three aux layers. Row t of step i takes token
+    # t+1+i: the sequence's embeddings shifted left by 1+i, zeros past its end (those rows predict nothing and feed
+    # only their own row's later steps). One padded tensor and a view of it a step: backward keeps one copy, not 7.
     hidden = drafter.project_hidden_states(batch.aux_hidden_state)  # (B, T, 3H_t) -> (B, T, H)
+    token_embeds = batch.token_embeds if batch.token_embeds is not None else drafter.embed_input_ids(batch.input_ids)
+    shifted_embeds = F.pad(token_embeds, (0, 0, 0, ttt_length))  # (B, T + ttt_length, H)
     position_ids = torch.arange(T, device=device).expand(B, T)
     # Right padding needs no extra mask: under the causal prefix no real row ever sees a padded key.
     cache = TTTCache()
@@ -302,7 +309,7 @@ def ttt_loss(
             break
 
         # Step 3.1: row t takes token t+1+i (EAGLE's shift of one, plus one per step) at position t+i.
-        input_embeds = drafter.embed_input_ids(shift_left(batch.input_ids, 1 + i))  # (B, T, H)
+        input_embeds = shifted_embeds[:, 1 + i : 1 + i + T]  # (B, T, H)
         hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache, weights=weights)  # fed forward
 
         # Step 3.2: the rows that have a target; 3.3: their logits, and the soft cross-entropy against the teacher, mean

@@ -102,12 +102,17 @@ def autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def place_models(drafter: Eagle3Drafter, target_head: TargetHead, device: torch.device) -> None:
+    """The drafter's trained weights on `device` in fp32, the frozen target head there in bf16 on a GPU, and the frozen
+    token embedding on the host: the loader looks the tokens up there (`loss.with_token_embeds`), so the table (1 GB
+    at a 128K vocabulary and 4096 hidden) takes no GPU memory."""
+    embedding = drafter.embed_tokens
+    drafter.embed_tokens = None  # type: ignore[assignment]  # kept off the device while the rest moves
     drafter.to(device=device, dtype=torch.float32)  # integer buffers (d2t, t2d) keep their dtype
-    # The frozen target head and embedding are only read: bf16 on GPU (the dtype targets ship in) halves their memory,
-    # and each unrolled step then keeps its embeddings for backward in bf16; fp32 on CPU.
+    # The frozen parts are only read: bf16 on GPU (the dtype targets ship in) halves their memory, and each unrolled
+    # step then keeps its embeddings for backward in bf16; fp32 on CPU.
     frozen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target_head.to(device=device, dtype=frozen_dtype)
-    drafter.embed_tokens.to(dtype=frozen_dtype)
+    drafter.embed_tokens = embedding.to(device="cpu", dtype=frozen_dtype)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from services.trainer.checkpoint import (
     RankState,
     capture_rng_state,
     find_resume_checkpoint,
+    frozen_parameter_names,
     parameters_sha256,
     restore_drafter,
     restore_rng_state,
@@ -202,6 +203,10 @@ def build_trainer(
         drafter, target_head, ttt_length=config.ttt_length, step_decay=config.step_decay
     )
     if runtime.distributed:
+        # The frozen parameters never change and the embedding is on the host, away from the rest: DDP leaves them be.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            objective, sorted(frozen_parameter_names(objective))
+        )
         # Buffers (d2t, t2d) never change, so there is nothing to broadcast before each forward.
         objective = DistributedDataParallel(
             objective,
@@ -237,6 +242,7 @@ def build_trainer(
         cache=cache,
         decoded=decoded,
         io_threads=config.io_threads,
+        token_embedding=drafter.embed_tokens.weight.detach(),  # on the host (place_models)
     )
     return Trainer(
         config,

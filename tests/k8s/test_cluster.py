@@ -449,6 +449,13 @@ def test_three_workers_share_a_job(cluster: Cluster, tmp_path: Path, smollm2_dir
     progress = cluster.wait_finished(waiting, timeout_s=600)
     assert progress["state"] == "completed", progress
     pods = cluster.worker_pods()
+    # Ready says each worker container started once; the registry says each consumer is running now (it beats from
+    # the consumer's event loop), as an operator would check in /v1/cluster before blaming the queue.
+    wait_for(
+        lambda: {f"worker@{pod}" for pod in pods} <= alive_workers(cluster),
+        timeout_s=120,
+        what=f"every worker pod {pods} alive in /v1/cluster",
+    )
 
     dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=4)
     started = time.monotonic()
@@ -465,7 +472,22 @@ def test_three_workers_share_a_job(cluster: Cluster, tmp_path: Path, smollm2_dir
         pod = m.worker.split(":")[0]  # <hostname>:<pid>; a pod's hostname is its name
         by_pod[pod] = by_pod.get(pod, 0) + 1
     print(f"\nshards per worker pod: {by_pod}")
-    assert sorted(by_pod) == pods, f"shards per worker pod {by_pod}, worker pods {pods}"
+    if sorted(by_pod) != pods:  # what a post-mortem needs: restarts, and what each pod's worker received and when
+        restarts = {
+            p["metadata"]["name"]: [c["restartCount"] for c in p["status"].get("containerStatuses", [])]
+            for p in cluster.get("pods", "-l", WORKER)["items"]
+        }
+        received = [line for line in cluster.worker_logs().splitlines() if re.search(r"received|ready\.|ERROR", line)]
+        pytest.fail(
+            f"shards per worker pod {by_pod}, worker pods {pods}, container restarts {restarts}, workers in "
+            f"/v1/cluster {sorted(alive_workers(cluster))}; the workers' log:\n" + "\n".join(received[-80:])
+        )
+
+
+def alive_workers(cluster: Cluster) -> set[str]:
+    response = cluster.request("GET", "/v1/cluster")
+    assert response.status_code == 200, response.text
+    return {worker["name"] for worker in response.json()["workers"] if worker["alive"]}
 
 
 def test_deleted_worker_pod_shard_is_committed_once(cluster: Cluster, tmp_path: Path) -> None:

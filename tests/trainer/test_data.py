@@ -209,13 +209,15 @@ def test_missing_and_corrupted_objects_are_skipped_and_counted(
 def test_batches_are_verified_right_padded_samples(job: JobRecord, storage: Storage, redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     manifests = [commit_random_shard(storage, client, job, k) for k in range(3)]
-    loader = SampleLoader(storage, job_id=job.job_id, hidden_size=job.hidden_size)
+    embedding = torch.randn(1000, 16)  # the trainer's loader is given the drafter's token embedding, on the host
+    loader = SampleLoader(storage, job_id=job.job_id, hidden_size=job.hidden_size, token_embedding=embedding)
     planned = plan_all(manifests, batch_tokens=256, max_length=256)[0]
     batch = loader.load(planned)
     loader.close()
     assert batch is not None
     B, T = batch.input_ids.shape
     assert (len(planned.samples), planned.length) == (B, T)
+    assert batch.token_embeds is not None and torch.equal(batch.token_embeds, embedding[batch.input_ids])
     assert batch.aux_hidden_state.shape == (B, T, 3 * job.hidden_size)
     assert batch.hidden_state.shape == (B, T, job.hidden_size)
     for row, sample in enumerate(planned.samples):

@@ -24,10 +24,10 @@ from services.trainer.loss import (
     LOSS_IMPLEMENTATIONS,
     Batch,
     _row_blocks,
-    shift_left,
     soft_cross_entropy,
     soft_cross_entropy_kernel,
     ttt_loss,
+    with_token_embeds,
 )
 from services.trainer.speculative import aux_hidden_state
 from shared.data.vocab import VocabMapping, build_vocab_mapping
@@ -110,13 +110,6 @@ def test_ttt_attention_equals_masked_attention_over_all_steps() -> None:
     torch.testing.assert_close(factored, explicit, rtol=1e-5, atol=1e-5)
 
 
-def test_shift_left_moves_later_positions_forward() -> None:
-    x = torch.tensor([[1, 2, 3, 4]])
-    assert shift_left(x, 1).tolist() == [[2, 3, 4, 0]]
-    assert shift_left(x, 3, fill=9).tolist() == [[4, 9, 9, 9]]
-    assert shift_left(x, 5).tolist() == [[0, 0, 0, 0]]
-
-
 @pytest.mark.parametrize("step_decay", [0.8, 0.5])
 def test_loss_is_step_losses_weighted_by_decay_powers(
     tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple, step_decay: float
@@ -141,13 +134,13 @@ def test_padding_changes_nothing(tiny_model_dir: Path, tiny_target: LlamaForCaus
         tiny_target, [sequences[0], sequences[1]], [masks[0], [0] * len(sequences[1])], AUX_LAYER_IDS
     )
     # The second row only pads the first out to its length, with no token to learn; then junk goes into the padding.
-    padded = Batch(**{name: tensor[:1] for name, tensor in vars(padded).items()})
+    padded = Batch(**{name: tensor[:1] for name, tensor in vars(padded).items() if tensor is not None})
     L = len(sequences[0])
     assert padded.input_ids.shape[1] > L
     reference = ttt_loss(drafter, target_head, alone)
     for seed in (1, 2):
         generator = torch.Generator().manual_seed(seed)
-        junk = Batch(**{name: tensor.clone() for name, tensor in vars(padded).items()})
+        junk = Batch(**{name: tensor.clone() for name, tensor in vars(padded).items() if tensor is not None})
         junk.input_ids[:, L:] = torch.randint(0, 400, junk.input_ids[:, L:].shape, generator=generator)
         junk.loss_mask[:, L:] = 1  # even a loss mask set on padding must not count
         junk.aux_hidden_state[:, L:] = 50 * torch.randn(junk.aux_hidden_state[:, L:].shape, generator=generator)
@@ -158,6 +151,40 @@ def test_padding_changes_nothing(tiny_model_dir: Path, tiny_target: LlamaForCaus
         assert out.step_num_tokens == reference.step_num_tokens
 
 
+def test_embeddings_looked_up_by_the_loader_train_as_the_drafters_own(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+) -> None:
+    """The trainer's loader looks each batch's tokens up in the embedding kept on the host (`with_token_embeds`): the
+    loss, the metrics and every gradient are those of the drafter looking them up itself, on every loss path."""
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    for loss_implementation in LOSS_IMPLEMENTATIONS:
+        runs = []
+        for looked_up in (False, True):
+            drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+            given = with_token_embeds(batch, drafter.embed_tokens.weight.detach()) if looked_up else batch
+            assert (given.token_embeds is not None) == looked_up
+            out = ttt_loss(drafter, target_head, given, loss_implementation=loss_implementation)
+            out.loss.backward()
+            runs.append((out, {name: p.grad for name, p in drafter.named_parameters() if p.requires_grad}))
+        (own, own_grads), (loaded, loaded_grads) = runs
+        assert torch.equal(loaded.loss, own.loss), loss_implementation
+        assert (loaded.step_accuracies, loaded.step_num_tokens) == (own.step_accuracies, own.step_num_tokens)
+        for name, grad in own_grads.items():
+            assert torch.equal(loaded_grads[name], grad), (loss_implementation, name)
+
+
+def test_placed_models_keep_the_token_embedding_on_the_host(tiny_model_dir: Path) -> None:
+    """On a GPU the embedding table stays in host memory, where the loader reads it; everything else moves. (The
+    "meta" device stands in for a GPU: nothing is allocated.)"""
+    from services.trainer.step import place_models
+
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    place_models(drafter, target_head, torch.device("meta"))
+    assert drafter.embed_tokens.weight.device.type == "cpu" and not drafter.embed_tokens.weight.requires_grad
+    assert {p.device.type for name, p in drafter.named_parameters() if name != "embed_tokens.weight"} == {"meta"}
+    assert target_head.weight.device.type == "meta" and drafter.t2d.device.type == "meta"
+
+
 def test_teachers_of_unmasked_tokens_change_nothing(
     tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
 ) -> None:
@@ -165,7 +192,7 @@ def test_teachers_of_unmasked_tokens_change_nothing(
     batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
     reference = ttt_loss(drafter, target_head, batch)
     # hidden_state[p] is the teacher for token p+1; where that token is not in the loss mask it must not matter.
-    counted_next = shift_left(batch.loss_mask.bool() & batch.attention_mask, 1, fill=False)
+    counted_next = F.pad((batch.loss_mask.bool() & batch.attention_mask)[:, 1:], (0, 1))  # shifted left by 1
     changed = batch.hidden_state.clone()
     changed[~counted_next] = 10 * torch.randn_like(changed[~counted_next])
     out = ttt_loss(drafter, target_head, replace(batch, hidden_state=changed))
