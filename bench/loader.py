@@ -7,7 +7,8 @@ checked against its manifest as in a real run. Then, interleaved, --repeats time
 
 - raw read: every sample file's bytes fetched with `Storage.get` on --io-threads threads; the baseline.
 - loader: every planned batch through `SampleLoader.load` (read, size and sha256 against the manifest, decode,
-  collate), one batch after another as the trainer loads them; GB/s of sample-file bytes, and the ratio to raw.
+  collate, its tokens' embeddings looked up in a host table of --hidden x 128,256), one batch after another as the
+  trainer loads them; GB/s of sample-file bytes, and the ratio to raw.
 - training loop, per --step-ms: the Trainer's own `run_training` loop (the group it trains waits for its load while
   the next --prefetch-groups groups load on the trainer's look-ahead executor) with the optimizer step replaced by a
   sleep of that long (`DataOnlyTrainer`); per step, how long it waited for its data. The first step always waits
@@ -85,7 +86,7 @@ if TYPE_CHECKING:
     from tests.fixtures.seaweedfs import S3Server
 
 WAITED_S = 0.001  # taking an already finished load costs microseconds; past a millisecond the step waited
-VOCAB_SIZE = 128256  # Llama-3.1's; only the token ids' range
+VOCAB_SIZE = 128256  # Llama-3.1's: the token ids' range and the embedding's rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,9 +145,14 @@ def train_config(job: JobRecord, args: argparse.Namespace) -> TrainConfig:
 
 
 def data_parts(
-    config: TrainConfig, job: JobRecord, storage: Storage, cache_dir: Path | None
+    config: TrainConfig,
+    job: JobRecord,
+    storage: Storage,
+    cache_dir: Path | None,
+    token_embedding: torch.Tensor | None = None,
 ) -> tuple[BatchPlanner, SampleLoader]:
-    """The planner and loader as `train.build_trainer` makes them, on a follower that reads the manifests back."""
+    """The planner and loader as `train.build_trainer` makes them, on a follower that reads the manifests back; given
+    the drafter's token embedding (on the host, as the trainer keeps it), the loader looks each batch's tokens up."""
     expected = TargetSignature(
         aux_layer_ids=tuple(job.aux_layer_ids),
         hidden_size=job.hidden_size,
@@ -157,7 +163,12 @@ def data_parts(
     planner = batch_planner(config, follower)
     cache = SampleCache(cache_dir, config.cache_budget_bytes) if cache_dir is not None else None
     loader = SampleLoader(
-        storage, job_id=job.job_id, hidden_size=job.hidden_size, cache=cache, io_threads=config.io_threads
+        storage,
+        job_id=job.job_id,
+        hidden_size=job.hidden_size,
+        cache=cache,
+        io_threads=config.io_threads,
+        token_embedding=token_embedding,
     )
     return planner, loader
 
@@ -211,8 +222,10 @@ def raw_read(storage: Storage, keys: list[str], threads: int) -> Pass:
     return Pass(time.perf_counter() - started, samples=len(sizes))
 
 
-def load_every_batch(config: TrainConfig, job: JobRecord, storage: Storage, cache_dir: Path | None) -> Pass:
-    planner, loader = data_parts(config, job, storage, cache_dir)
+def load_every_batch(
+    config: TrainConfig, job: JobRecord, storage: Storage, cache_dir: Path | None, token_embedding: torch.Tensor
+) -> Pass:
+    planner, loader = data_parts(config, job, storage, cache_dir, token_embedding)
     batches = planned_batches(planner)  # manifests read and planned before the clock starts
     started = time.perf_counter()
     for planned in batches:
@@ -334,9 +347,10 @@ def training_loop(
     job: JobRecord,
     storage: Storage,
     cache_dir: Path | None,
+    token_embedding: torch.Tensor,
     train: Callable[[list[Batch]], None],
 ) -> Pass:
-    planner, loader = data_parts(config, job, storage, cache_dir)
+    planner, loader = data_parts(config, job, storage, cache_dir, token_embedding)
     trainer = DataOnlyTrainer(config, job=job, storage=storage, planner=planner, loader=loader, train=train)
     started = time.perf_counter()
     summary = trainer.run_training()
@@ -501,6 +515,9 @@ def main() -> None:
             print(f"job written: {len(manifests)} shards", flush=True)
             keys = [s.key for m in manifests for s in m.samples]
             batches = len(planned_batches(data_parts(config, job, storage, None)[0]))
+            # The drafter's frozen token embedding, on the host as the trainer keeps it: every loaded batch's tokens are
+            # looked up there, as the trainer's loader does (at Llama-3.1-8B's vocabulary and width, 1 GB).
+            token_embedding = torch.randn(VOCAB_SIZE, args.hidden, dtype=torch.bfloat16).mul_(0.02)
             raw: list[Pass] = []
             loader: list[Pass] = []
             steps = {f"{ms:g} ms step": sleep_step(ms) for ms in step_ms}
@@ -513,10 +530,10 @@ def main() -> None:
                 raw.append(raw_read(storage, keys, args.io_threads))
                 print(f"raw read {raw[-1].seconds:.2f} s", flush=True)
                 with pass_cache(work, args.cache) as cache:
-                    loader.append(load_every_batch(config, job, storage, cache))
+                    loader.append(load_every_batch(config, job, storage, cache, token_embedding))
                 for label, train in steps.items():
                     with pass_cache(work, args.cache) as cache:
-                        loops[label].append(training_loop(config, job, storage, cache, train))
+                        loops[label].append(training_loop(config, job, storage, cache, token_embedding, train))
                     print(f"training loop, {label}: {loops[label][-1].seconds:.2f} s", flush=True)
             first = manifests[0].samples[0]
             one_sample = {"bytes": first.bytes, "stages_ms": stage_breakdown(storage, first, args.repeats + 2)}
