@@ -473,14 +473,18 @@ def test_three_workers_share_a_job(cluster: Cluster, tmp_path: Path, smollm2_dir
         by_pod[pod] = by_pod.get(pod, 0) + 1
     print(f"\nshards per worker pod: {by_pod}")
     if sorted(by_pod) != pods:  # what a post-mortem needs: restarts, and what each pod's worker received and when
-        restarts = {
-            p["metadata"]["name"]: [c["restartCount"] for c in p["status"].get("containerStatuses", [])]
+        restarts = {  # the inference sidecar is an init container
+            p["metadata"]["name"]: {
+                c["name"]: c["restartCount"]
+                for c in p["status"].get("initContainerStatuses", []) + p["status"].get("containerStatuses", [])
+            }
             for p in cluster.get("pods", "-l", WORKER)["items"]
         }
-        received = [line for line in cluster.worker_logs().splitlines() if re.search(r"received|ready\.|ERROR", line)]
+        pattern = r"received|succeeded|retry|raised|ready\.|WARNING|ERROR"
+        received = [line[:300] for line in cluster.worker_logs().splitlines() if re.search(pattern, line)]
         pytest.fail(
             f"shards per worker pod {by_pod}, worker pods {pods}, container restarts {restarts}, workers in "
-            f"/v1/cluster {sorted(alive_workers(cluster))}; the workers' log:\n" + "\n".join(received[-80:])
+            f"/v1/cluster {sorted(alive_workers(cluster))}; the workers' log:\n" + "\n".join(received[-120:])
         )
 
 
