@@ -169,6 +169,7 @@ def data_parts(
         cache=cache,
         io_threads=config.io_threads,
         token_embedding=token_embedding,
+        pin_memory=torch.cuda.is_available(),  # as the trainer's loader does when it trains on a GPU
     )
     return planner, loader
 
@@ -336,7 +337,7 @@ def gpu_step(device: torch.device, total_steps: int) -> Callable[[list[Batch]], 
 
     def train(batches: list[Batch]) -> None:
         for batch in batches:
-            step(batch.to(device))
+            step(batch.to(device, non_blocking=True))  # from the loader's page-locked batch, as the trainer copies it
         torch.cuda.synchronize(device)
 
     return train

@@ -623,10 +623,12 @@ class SampleLoader:
         io_threads: int = 4,
         stats: DataStats | None = None,
         token_embedding: torch.Tensor | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.storage, self.job_id, self.hidden_size, self.cache = storage, job_id, hidden_size, cache
         self.decoded = decoded
         self.token_embedding = token_embedding  # [V, H] on the host: each batch gets its tokens' embeddings
+        self.pin_memory = pin_memory  # batches in page-locked memory, for a GPU to copy without blocking the step
         self.stats = stats or DataStats()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="sample-io")
         self._lock = threading.Lock()
@@ -643,7 +645,7 @@ class SampleLoader:
         ]
         if not records:
             return None
-        batch = collate(records)
+        batch = collate(records, pin_memory=self.pin_memory)
         return batch if self.token_embedding is None else with_token_embeds(batch, self.token_embedding)
 
     def _fetch(self, sample: ManifestSample, max_length: int, stats: DataStats) -> dict[str, torch.Tensor] | None:
@@ -709,17 +711,18 @@ def _truncate(name: str, tensor: torch.Tensor, max_length: int) -> torch.Tensor:
     return tensor[:max_length] if name in ("input_ids", "loss_mask") else tensor[:, :max_length]
 
 
-def collate(records: list[dict[str, torch.Tensor]]) -> Batch:
-    """Right-pad samples of true length to B x T; attention_mask marks the real tokens."""
+def collate(records: list[dict[str, torch.Tensor]], *, pin_memory: bool = False) -> Batch:
+    """Right-pad samples of true length to B x T; attention_mask marks the real tokens. With `pin_memory` the batch
+    is collated into page-locked memory, which a GPU copies from at full speed and without blocking the host."""
     # B samples, T = the longest, H the target hidden size
     lengths = [r["input_ids"].numel() for r in records]
     B, T = len(records), max(lengths)
     H = records[0]["hidden_state"].shape[-1]
-    input_ids = torch.zeros(B, T, dtype=torch.long)
-    loss_mask = torch.zeros(B, T, dtype=torch.long)
-    aux_hidden_state = torch.zeros(B, T, NUM_AUX_LAYERS * H, dtype=HIDDEN_DTYPE)
-    hidden_state = torch.zeros(B, T, H, dtype=HIDDEN_DTYPE)
-    attention_mask = torch.zeros(B, T, dtype=torch.bool)
+    input_ids = torch.zeros(B, T, dtype=torch.long, pin_memory=pin_memory)
+    loss_mask = torch.zeros(B, T, dtype=torch.long, pin_memory=pin_memory)
+    aux_hidden_state = torch.zeros(B, T, NUM_AUX_LAYERS * H, dtype=HIDDEN_DTYPE, pin_memory=pin_memory)
+    hidden_state = torch.zeros(B, T, H, dtype=HIDDEN_DTYPE, pin_memory=pin_memory)
+    attention_mask = torch.zeros(B, T, dtype=torch.bool, pin_memory=pin_memory)
     for i, (record, length) in enumerate(zip(records, lengths, strict=True)):
         input_ids[i, :length] = record["input_ids"]
         loss_mask[i, :length] = record["loss_mask"]

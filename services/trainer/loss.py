@@ -64,21 +64,27 @@ class Batch:
     # (`with_token_embeds`) so that the embedding table never takes GPU memory; None: the drafter looks them up
     token_embeds: Tensor | None = None
 
-    def to(self, device: torch.device | str) -> "Batch":
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "Batch":
+        """On `device`; `non_blocking` from page-locked memory: the host goes on launching kernels while it copies."""
         return Batch(
-            input_ids=self.input_ids.to(device),
-            loss_mask=self.loss_mask.to(device),
-            aux_hidden_state=self.aux_hidden_state.to(device),
-            hidden_state=self.hidden_state.to(device),
-            attention_mask=self.attention_mask.to(device),
-            token_embeds=None if self.token_embeds is None else self.token_embeds.to(device),
+            input_ids=self.input_ids.to(device, non_blocking=non_blocking),
+            loss_mask=self.loss_mask.to(device, non_blocking=non_blocking),
+            aux_hidden_state=self.aux_hidden_state.to(device, non_blocking=non_blocking),
+            hidden_state=self.hidden_state.to(device, non_blocking=non_blocking),
+            attention_mask=self.attention_mask.to(device, non_blocking=non_blocking),
+            token_embeds=None if self.token_embeds is None else self.token_embeds.to(device, non_blocking=non_blocking),
         )
 
 
 def with_token_embeds(batch: Batch, embedding: Tensor) -> Batch:
     """The batch with its tokens' embeddings looked up in `embedding` [V_target, H] (a table on the host: a gather of
-    H values a token, done by the loader's threads while the step before runs)."""
-    return replace(batch, token_embeds=F.embedding(batch.input_ids.to(embedding.device), embedding))
+    H values a token, done by the loader's threads while the step before runs), into page-locked memory where the
+    batch is."""
+    ids = batch.input_ids.to(embedding.device).flatten()
+    pinned = embedding.device.type == "cpu" and batch.input_ids.is_pinned()
+    embeds = torch.empty((ids.numel(), embedding.shape[1]), dtype=embedding.dtype, pin_memory=pinned)
+    torch.index_select(embedding, 0, ids, out=embeds)
+    return replace(batch, token_embeds=embeds.view(*batch.input_ids.shape, embedding.shape[1]))
 
 
 @dataclass

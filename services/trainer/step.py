@@ -206,7 +206,7 @@ def _forward_backward(
             if batch is None:
                 loss = model(None)
             else:
-                out = model(batch.to(device))
+                out = model(batch.to(device, non_blocking=True))  # from page-locked memory on a GPU (the loader's)
                 loss = out.loss * loss_scale
                 rows = torch.tensor(out.step_num_tokens, dtype=torch.float64)
                 sums[0] += 1

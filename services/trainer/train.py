@@ -243,6 +243,7 @@ def build_trainer(
         decoded=decoded,
         io_threads=config.io_threads,
         token_embedding=drafter.embed_tokens.weight.detach(),  # on the host (place_models)
+        pin_memory=runtime.device.type == "cuda",
     )
     return Trainer(
         config,

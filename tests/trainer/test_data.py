@@ -22,9 +22,11 @@ from services.trainer.data import (
     SampleLoader,
     ShardFollower,
     TargetSignature,
+    collate,
     heldout_shards,
     plan_all,
 )
+from services.trainer.loss import with_token_embeds
 from shared.lifecycle.schemas import JobRecord, Manifest, ManifestSample
 from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
@@ -225,6 +227,31 @@ def test_batches_are_verified_right_padded_samples(job: JobRecord, storage: Stor
         assert batch.attention_mask[row].sum() == length and batch.attention_mask[row, :length].all()
         assert not batch.loss_mask[row, length:].any() and not batch.hidden_state[row, length:].any()
         assert batch.loss_mask[row].sum() == sample.loss_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a CUDA device")
+def test_cuda_batches_collate_into_page_locked_memory_and_reach_the_gpu_unchanged() -> None:
+    """On a GPU the trainer's loader collates into page-locked memory (and looks the embeddings up into it), and the
+    step copies the batch without blocking: the same tensors arrive as from a plain batch's blocking copy."""
+    generator = torch.Generator().manual_seed(0)
+    H = 16
+    records = [
+        {
+            "input_ids": torch.randint(0, 1000, (length,), generator=generator),
+            "loss_mask": torch.randint(0, 2, (length,), generator=generator),
+            "aux_hidden_state": torch.randn(1, length, 3 * H, generator=generator).to(torch.bfloat16),
+            "hidden_state": torch.randn(1, length, H, generator=generator).to(torch.bfloat16),
+        }
+        for length in (7, 12, 9)
+    ]
+    embedding = torch.randn(1000, H, generator=generator).to(torch.bfloat16)
+    plain = with_token_embeds(collate(records), embedding)
+    pinned = with_token_embeds(collate(records, pin_memory=True), embedding)
+    on_gpu = pinned.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    for name, tensor in vars(plain).items():
+        assert getattr(pinned, name).is_pinned(), name
+        assert torch.equal(getattr(on_gpu, name).cpu(), tensor), name
 
 
 def _manifest(shard_index: int, lengths: list[int]) -> Manifest:
