@@ -722,9 +722,6 @@ class Eagle3Drafter(nn.Module):
         self.fc.weight[:, 2 * H :].copy_(torch.eye(H))
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
-        weight = self.embed_tokens.weight
-        if weight.device != input_ids.device:  # a table the trainer keeps on the host (step.place_models)
-            return F.embedding(input_ids.to(weight.device), weight).to(input_ids.device)
         return self.embed_tokens(input_ids)  # (B, T) -> (B, T, H)
 
     def project_hidden_states(self, aux_hidden_state: Tensor) -> Tensor:

@@ -350,7 +350,9 @@ def test_fused_and_recomputing_paths_give_the_eager_loss_and_gradients_on_cuda_i
     device = torch.device("cuda")
     drafter, target_head = random_models(DIMS["tiny"])
     place_models(drafter, target_head, device)
-    batch = random_batch(DIMS["tiny"], 2, 64, seed=1).to(device)
+    # The tokens' embeddings looked up on the host, where placement keeps the table, as the trainer's loader does.
+    batch = with_token_embeds(random_batch(DIMS["tiny"], 2, 64, seed=1), drafter.embed_tokens.weight.detach())
+    batch = batch.to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
 
     def loss_and_grads(recompute: bool, loss_implementation: str = "fused") -> tuple:
