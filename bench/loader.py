@@ -18,10 +18,15 @@ checked against its manifest as in a real run. Then, interleaved, --repeats time
   launches and the host-to-device copies compete with the loader's threads as they do in a real run; the GPU idles
   for as long as a step waits for its data.
 
+- training loop, per --python-step-ms: the same loop with a step of that much of the host's own Python (a fixed
+  count of interpreter operations, timed alone before the passes), as a training step's kernel launches
+  are: its time per step beside the loader, against that, is how much the loader's threads hold the GIL.
+
 A sleep holds neither a core nor the GIL: a real step's own Python (kernel launches) and each batch's copy to the
-device come on top (--gpu-step measures them). Local files are read from the page cache when the job fits in memory
-(they were just written). A last table times each stage of loading one sample on one thread: the per-core cost,
-which carries over to a host with more cores where the rates do not.
+device come on top (--python-step-ms stands in for the first on any machine; --gpu-step measures both). Local files
+are read from the page cache when the job fits in memory (they were just written). A last table times each stage of
+loading one sample on one thread: the per-core cost, which carries over to a host with more cores where the rates do
+not.
 
 --cache puts the trainer's local sample cache (on by default in `eagle3 train`) in the loader's path, emptied
 before every pass, so each pass is a first epoch: the reads plus the writes into the cache.
@@ -328,6 +333,28 @@ def sleep_step(step_ms: float) -> Callable[[list[Batch]], None]:
     return lambda batches: time.sleep(step_ms / 1000)
 
 
+def _interpret(operations: int) -> None:
+    total = 0
+    for i in range(operations):
+        total += i
+
+
+def python_step(step_ms: float) -> Callable[[list[Batch]], None]:
+    """A step whose work is the host's Python, as a training step's kernel launches are: a fixed count of interpreter
+    operations, counted here to take `step_ms` on this interpreter with nothing else running. Beside the loader it
+    takes longer by as long as the loader's threads hold the GIL (or its core)."""
+    operations = 1_000_000
+    while True:
+        started = time.perf_counter()
+        _interpret(operations)
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        if elapsed_ms >= 50:
+            break
+        operations *= 2
+    operations = round(operations * step_ms / elapsed_ms)
+    return lambda batches: _interpret(operations)
+
+
 def gpu_step(device: torch.device, total_steps: int) -> Callable[[list[Batch]], None]:
     """The trainer's own optimizer step on `device` for a random drafter at Llama-3.1-8B dimensions (the width the
     job's samples have); each batch is copied to the device as the trainer copies it, and the step ends when the GPU
@@ -492,6 +519,11 @@ def main() -> None:
     parser.add_argument("--storage", choices=("local", "s3"), default="local")
     parser.add_argument("--s3-url", default=None, help="s3://bucket/prefix (default: start SeaweedFS here)")
     parser.add_argument("--step-ms", default="0,200", help="simulated optimizer steps, comma-separated")
+    parser.add_argument(
+        "--python-step-ms",
+        default="",
+        help="steps of that much of the host's Python (holding the GIL), comma-separated",
+    )
     parser.add_argument("--gpu-step", action="store_true", help="also the loop with the trainer's own step on the GPU")
     parser.add_argument("--cache", action="store_true", help="the trainer's local sample cache in the loader's path")
     parser.add_argument("--repeats", type=int, default=3)
@@ -505,6 +537,7 @@ def main() -> None:
     if args.gpu_step and (not torch.cuda.is_available() or args.hidden != SHAPES["llama3-8b"].hidden_size):
         parser.error(f"--gpu-step needs a GPU and --hidden {SHAPES['llama3-8b'].hidden_size} (the drafter's width)")
     step_ms = [float(ms) for ms in args.step_ms.split(",") if ms]
+    python_step_ms = [float(ms) for ms in args.python_step_ms.split(",") if ms]
 
     work = Path(tempfile.mkdtemp(prefix="eagle3-loader-", dir=args.dir))
     try:
@@ -522,6 +555,7 @@ def main() -> None:
             raw: list[Pass] = []
             loader: list[Pass] = []
             steps = {f"{ms:g} ms step": sleep_step(ms) for ms in step_ms}
+            steps |= {f"{ms:g} ms Python step": python_step(ms) for ms in python_step_ms}
             if args.gpu_step:
                 device = torch.device("cuda")
                 passes = args.repeats * (batches // args.grad_accum + 1)

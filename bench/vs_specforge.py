@@ -294,7 +294,7 @@ OURS_VARIANTS = {
     OURS_REFERENCE: OursVariant(compile_backbone=False),
     "compile": OursVariant(compile_backbone=True),
     "recompute_mlp": OursVariant(recompute_mlp=True),
-    "compiled_merges": OursVariant(compiled_merges=True),
+    "eager_merges": OursVariant(compiled_merges=False),
 }
 
 

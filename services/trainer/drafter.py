@@ -361,10 +361,10 @@ def diagonal_merge_backward(
 
 
 # Compiled, each merge becomes a few fused kernels reading the bf16 tensors once, where as written every fp32 upcast
-# and intermediate is a tensor of its own (about 2 GB written per unrolled step at 8,192 tokens and 8B dims). Off
-# until a GPU has measured it against the merges as written (`bench/ttt_step_profile.py`, variant
-# fast+compile+compiled-merge); the CPU traces the compiled forms in the tests.
-COMPILE_MERGE_ON_CUDA = False
+# and intermediate is a tensor of its own (about 2 GB written per unrolled step at 8,192 tokens and 8B dims): 3% less
+# step time at 1x8192 on an H100, the same at 2,048 tokens (docs/benchmarks.md). The CPU runs the merges as written
+# and traces the compiled forms in the tests.
+COMPILE_MERGE_ON_CUDA = True
 
 
 @functools.cache

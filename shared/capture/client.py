@@ -125,6 +125,7 @@ class InferenceClient:
         self.transport = transport
         self.shm_dir = shm_dir
         self._health = HealthWatch(self.base_url, min(_HEALTH_PROBE_INTERVAL_S, health_timeout_s / 4))
+        self._answered = False  # the server answered, and no request has found it unavailable since
         self._http_lock = threading.Lock()
         self._http = self._new_http()
 
@@ -174,7 +175,16 @@ class InferenceClient:
             raise InferenceProtocolError(f"{self.base_url}/get_model_info: not a model info answer: {exc}") from exc
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Poll /health until it answers 200; connection errors and 503 mean "not yet" until the deadline."""
+        """Poll /health until it answers 200; connection errors and 503 mean "not yet" until the deadline.
+
+        A server that has answered this client, with no request finding it unavailable since, is asked for its model
+        info instead, which it answers at once: SGLang's /health runs a one-token generation and answers a second
+        later at the earliest, a second that every job's first shard paid on every worker (a tenth of a 10-second job
+        at 8B shape). Only if that does not answer is /health polled."""
+        if self._answered:
+            if self._answers_model_info():
+                return
+            self._answered = False
         deadline = time.monotonic() + timeout_s
         while True:
             remaining_s = deadline - time.monotonic()
@@ -185,6 +195,7 @@ class InferenceClient:
             else:
                 if response.status_code == 200:
                     logger.info("inference server %s ready", self.base_url)
+                    self._answered = True
                     return
                 if response.status_code != 503:
                     raise InferenceProtocolError(
@@ -194,6 +205,13 @@ class InferenceClient:
             if remaining_s <= 0:
                 raise InferenceUnavailable(f"{self.base_url} not ready after {timeout_s:.0f}s; last answer: {last}")
             time.sleep(min(_HEALTH_POLL_INTERVAL_S, max(remaining_s, 0)))
+
+    def _answers_model_info(self) -> bool:
+        try:
+            response = self._http.get("/get_model_info", timeout=_CONNECT_TIMEOUT_S)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
 
     # ------------------------------------------------------------------------------------------------------
     # Capture
@@ -309,13 +327,13 @@ class InferenceClient:
     def _request(self, method: str, path: str, *, rid: str | None, **kwargs: Any) -> httpx.Response:
         def call(http: httpx.Client) -> httpx.Response:
             try:
-                return http.request(method, path, **kwargs)
+                response = http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
                 raise self._unavailable(path, rid, exc) from exc
+            self._raise_for_status(response, path, rid)
+            return response
 
-        response = self._watched(call, path, rid)
-        self._raise_for_status(response, path, rid)
-        return response
+        return self._watched(call, path, rid)
 
     def _watched(self, call: Callable[[httpx.Client], T], path: str, rid: str | None) -> T:
         """Run one request on a thread of its own and wait for it as long as the server's /health answers; once
@@ -333,16 +351,23 @@ class InferenceClient:
             threading.Thread(target=run, name="inference-request", daemon=True).start()
             while True:
                 try:
-                    return result.result(timeout=self._health.probe_interval_s)
+                    answer = result.result(timeout=self._health.probe_interval_s)
+                except InferenceUnavailable:
+                    self._answered = False
+                    raise
                 except TimeoutError:
                     silent_s = self._health.silent_s()
                     if silent_s >= self.health_timeout_s:
+                        self._answered = False
                         self._drop(http)
                         where = f"{self.base_url}{path}" + (f" rid={rid}" if rid is not None else "")
                         raise InferenceUnavailable(
                             f"{where}: abandoned, the server hangs: its /health has not answered for {silent_s:.0f}s "
                             f"(EAGLE3_INFERENCE_HEALTH_TIMEOUT_S={self.health_timeout_s:.0f})"
                         ) from None
+                else:
+                    self._answered = True
+                    return answer
 
     def _drop(self, http: httpx.Client) -> None:
         """Abandoned requests keep their pooled connections until their own timeout: later requests get a new

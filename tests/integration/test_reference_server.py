@@ -4,6 +4,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,7 @@ import torch
 import uvicorn
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import Receive, Scope, Send
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from services.inference.reference.engine import ReferenceEngine, compute_dtype
@@ -320,24 +322,70 @@ def test_health_is_503_until_the_model_is_loaded(tiny_model_dir: Path, tmp_path:
     assert response.status_code == 503 and "loading" in response.json()["error"]["message"]
 
 
-def test_wait_ready_waits_for_a_server_that_is_still_loading(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port = free_port()
+@contextmanager
+def server_in_thread(
+    tiny_model_dir: Path, shm_dir: Path, port: int, paths: list[str] | None = None
+) -> Iterator[ReferenceEngine]:
+    """The reference server in this process, on `port`, its model loading in the background; the path of every
+    request it receives is appended to `paths`."""
     engine = ReferenceEngine(tiny_model_dir, device="cpu", max_batch_wait_ms=0)
-    app = create_app(Settings(model_path=tiny_model_dir, shm_dir=tmp_path), engine)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    app = create_app(Settings(model_path=tiny_model_dir, shm_dir=shm_dir), engine)
+
+    async def recorded(scope: Scope, receive: Receive, send: Send) -> None:
+        if paths is not None and scope["type"] == "http":
+            paths.append(scope["path"])
+        await app(scope, receive, send)
+
+    server = uvicorn.Server(uvicorn.Config(recorded, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        with InferenceClient(f"http://127.0.0.1:{port}", timeout_s=30) as client:
-            assert not engine.ready  # the client starts waiting before the server listens or the model loads
-
-            client.wait_ready(timeout_s=60)
-
-            assert engine.ready
-            assert client.capture([5, 6, 7], "after-ready", [1, 3, 4]).hidden_state.shape == (3, H)
+        yield engine
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_wait_ready_waits_for_a_server_that_is_still_loading(tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    with (
+        server_in_thread(tiny_model_dir, tmp_path, port) as engine,
+        InferenceClient(f"http://127.0.0.1:{port}", timeout_s=30) as client,
+    ):
+        assert not engine.ready  # the client starts waiting before the server listens or the model loads
+
+        client.wait_ready(timeout_s=60)
+
+        assert engine.ready
+        assert client.capture([5, 6, 7], "after-ready", [1, 3, 4]).hidden_state.shape == (3, H)
+
+
+def test_a_server_that_answered_is_not_polled_on_health_until_a_request_finds_it_gone(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SGLang's /health answers a second later at the earliest: each job's first shard on each worker paid it."""
+    port, paths = free_port(), []
+    with InferenceClient(f"http://127.0.0.1:{port}", timeout_s=30) as client:
+        with server_in_thread(tiny_model_dir, tmp_path, port, paths):
+            client.wait_ready(timeout_s=60)
+            assert "/health" in paths
+            client.capture([5, 6, 7], "first-job", [1, 3, 4])
+
+            paths.clear()
+            client.wait_ready(timeout_s=60)  # the next job's first shard
+            assert paths == ["/get_model_info"]
+
+        # Gone: its model info does not answer, so /health is polled, until the deadline.
+        with pytest.raises(InferenceUnavailable, match="not ready"):
+            client.wait_ready(timeout_s=0.5)
+        with pytest.raises(InferenceUnavailable):
+            client.capture([5, 6, 7], "while-gone", [1, 3, 4])
+
+        paths.clear()
+        with server_in_thread(tiny_model_dir, tmp_path, port, paths) as engine:
+            client.wait_ready(timeout_s=60)  # a request found it unavailable: it waits on /health again
+            assert engine.ready and paths[0] == "/health" and "/get_model_info" not in paths
+            assert client.capture([5, 6, 7], "restarted", [1, 3, 4]).hidden_state.shape == (3, H)
 
 
 @pytest.mark.parametrize(("native_bf16", "expected"), [(True, torch.bfloat16), (False, torch.float32)])

@@ -3,6 +3,8 @@ import io
 import pytest
 import torch
 
+from shared.storage import sample_format
+from shared.storage.dtypes import StorageDtype
 from shared.storage.sample_format import InvalidCapture, decode_sample, encode_sample, validate_capture
 
 H = 8
@@ -118,3 +120,24 @@ def test_fp8_record_without_its_scale_is_refused() -> None:
     torch.save(record, buffer)
     with pytest.raises(InvalidCapture, match="hidden_state_scale: missing"):
         decode_sample(buffer.getvalue())
+
+
+@pytest.mark.parametrize("storage_dtype", ["bfloat16", "fp8_e4m3"])
+def test_decode_reads_what_torch_load_reads_from_the_bytes(storage_dtype: StorageDtype) -> None:
+    """decode_sample streams the bytes to torch.load through a reader of its own (one that copies without the GIL):
+    every tensor equals what torch.load reads from an io.BytesIO of the same bytes."""
+    aux, hidden = states(rows=300, hidden=64)
+    data = encode_sample(list(range(300)), [1] * 300, aux, hidden, storage_dtype=storage_dtype)
+    stored = torch.load(io.BytesIO(data), weights_only=True)
+
+    record = decode_sample(data)
+
+    assert torch.equal(record["input_ids"], stored["input_ids"]) and torch.equal(
+        record["loss_mask"], stored["loss_mask"]
+    )
+    for name in ("aux_hidden_state", "hidden_state"):
+        if storage_dtype == "bfloat16":
+            assert torch.equal(record[name], stored[name]), name
+        else:
+            expected = sample_format.dequantize_fp8(stored[name], stored[f"{name}_scale"])
+            assert torch.equal(record[name], expected), name
