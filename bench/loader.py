@@ -17,6 +17,9 @@ checked against its manifest as in a real run. Then, interleaved, --repeats time
   random drafter at Llama-3.1-8B dimensions, each batch copied to the device), so the step's Python, its kernel
   launches and the host-to-device copies compete with the loader's threads as they do in a real run; the GPU idles
   for as long as a step waits for its data.
+- each loop's step also alone, before its pass, on one batch loaded beforehand (the same number of steps): its time
+  per step there against its time in the loop, not counting the waits, is what the loader's threads cost it (for
+  the GPU step, the share of the step its GPU idled beside them).
 
 - training loop, per --python-step-ms: the same loop with a step of that much of the host's own Python (a fixed
   count of interpreter operations, timed alone before the passes), as a training step's kernel launches
@@ -370,6 +373,16 @@ def gpu_step(device: torch.device, total_steps: int) -> Callable[[list[Batch]], 
     return train
 
 
+def step_alone(train: Callable[[list[Batch]], None], group: list[Batch], steps: int) -> float:
+    """ms per step of `train` on a group loaded beforehand, with no loader running: the step's own time, against
+    which its time in the training loop shows what the loader's threads cost it (a GPU idles for the difference)."""
+    train(group)  # a first step compiles and allocates
+    started = time.perf_counter()
+    for _ in range(steps):
+        train(group)
+    return 1000 * (time.perf_counter() - started) / steps
+
+
 def training_loop(
     config: TrainConfig,
     job: JobRecord,
@@ -457,6 +470,8 @@ def waiting(passes: list[Pass]) -> dict[str, Any]:
     median = statistics.median
     return {
         "ms_per_step": median(1000 * p.seconds / p.steps for p in passes),
+        # a step's time in the loop, not counting its wait for data: the step beside the loader's threads
+        "step_in_loop_ms": median(1000 * (p.seconds - sum(p.waits_s)) / p.steps for p in passes),
         "first_wait_ms": 1000 * median(p.waits_s[0] for p in passes),
         "later_wait_median_ms": 1000 * median(median(w) for w in later) if steady else None,
         "later_wait_max_ms": 1000 * median(max(w) for w in later) if steady else None,
@@ -474,7 +489,8 @@ def print_table(report: dict[str, Any]) -> None:
         f"{config['cpus']} cores; median of {config['repeats']}"
     )
     for column in ("path", "GB/s", "ratio to raw", "ms per batch", "first step waited ms",
-                   "later steps waited: median / max ms", "later steps that waited"):  # fmt: skip
+                   "later steps waited: median / max ms", "later steps that waited",
+                   "step ms: alone / in the loop, not waiting"):  # fmt: skip
         table.add_column(column)
 
     def show(value: float | None, digits: int = 1) -> str:
@@ -495,6 +511,7 @@ def print_table(report: dict[str, Any]) -> None:
             show(loop["first_wait_ms"]),
             f"{show(loop['later_wait_median_ms'])} / {show(loop['later_wait_max_ms'])}",
             "-" if fraction is None else f"{fraction:.0%}",
+            f"{show(loop['step_alone_ms'])} / {show(loop['step_in_loop_ms'])}",
         )
     Console().print(table)
     sample_bytes = report["one_sample"]["bytes"]
@@ -558,15 +575,20 @@ def main() -> None:
             steps |= {f"{ms:g} ms Python step": python_step(ms) for ms in python_step_ms}
             if args.gpu_step:
                 device = torch.device("cuda")
-                passes = args.repeats * (batches // args.grad_accum + 1)
+                passes = args.repeats * 2 * (batches // args.grad_accum + 1)  # alone and in the loop, each repeat
                 steps[f"the trainer's step on {torch.cuda.get_device_name(device)}"] = gpu_step(device, passes)
             loops: dict[str, list[Pass]] = {label: [] for label in steps}
+            alone: dict[str, list[float]] = {label: [] for label in steps}
+            planner, sample_loader = data_parts(config, job, storage, None, token_embedding)
+            group = [sample_loader.load(planned_batches(planner)[0])] * args.grad_accum  # the steps' own time on this
+            sample_loader.close()
             for _ in range(args.repeats):  # interleaved, so that drift on a shared machine touches every path
                 raw.append(raw_read(storage, keys, args.io_threads))
                 print(f"raw read {raw[-1].seconds:.2f} s", flush=True)
                 with pass_cache(work, args.cache) as cache:
                     loader.append(load_every_batch(config, job, storage, cache, token_embedding))
                 for label, train in steps.items():
+                    alone[label].append(step_alone(train, group, steps=batches // args.grad_accum))
                     with pass_cache(work, args.cache) as cache:
                         loops[label].append(training_loop(config, job, storage, cache, token_embedding, train))
                     print(f"training loop, {label}: {loops[label][-1].seconds:.2f} s", flush=True)
@@ -597,6 +619,7 @@ def main() -> None:
             {"step": label}
             | throughput(passes, total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"])
             | waiting(passes)
+            | {"step_alone_ms": statistics.median(alone[label])}
             for label, passes in loops.items()
         ],
         "one_sample": one_sample,

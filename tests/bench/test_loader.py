@@ -15,8 +15,17 @@ SAMPLES, SHARD_SAMPLES = 6, 4  # two shards, the second one short
 BATCHES = 3  # two 32-token samples fill a 64-token batch
 REPEATS = 2
 STEP_MS = [0.0, 5.0]
+PYTHON_STEP_MS = 5.0
 THROUGHPUT_FIELDS = {"gb_s", "ratio_to_raw", "seconds", "ms_per_batch", "repeats"}
-WAIT_FIELDS = {"ms_per_step", "first_wait_ms", "later_wait_median_ms", "later_wait_max_ms", "later_waited_fraction"}
+WAIT_FIELDS = {
+    "ms_per_step",
+    "first_wait_ms",
+    "later_wait_median_ms",
+    "later_wait_max_ms",
+    "later_waited_fraction",
+    "step_in_loop_ms",
+    "step_alone_ms",
+}
 
 
 def run_bench(storage: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -24,7 +33,8 @@ def run_bench(storage: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess
     command = [sys.executable, "-m", "bench.loader", "--hidden", "64", "--tokens-per-sample", "32",
                "--samples", str(SAMPLES), "--shard-samples", str(SHARD_SAMPLES), "--batch-tokens", "64",
                "--io-threads", "2", "--storage", storage, "--step-ms", ",".join(f"{ms:g}" for ms in STEP_MS),
-               "--repeats", str(REPEATS), "--dir", str(tmp_path), "--json", str(out)]  # fmt: skip
+               "--python-step-ms", f"{PYTHON_STEP_MS:g}", "--repeats", str(REPEATS), "--dir", str(tmp_path),
+               "--json", str(out)]  # fmt: skip
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300), out
 
 
@@ -48,9 +58,13 @@ def test_loader_bench_reads_and_verifies_every_sample(storage: str, tmp_path: Pa
     check_summary(report["raw_read"], THROUGHPUT_FIELDS)
     check_summary(report["loader"], THROUGHPUT_FIELDS)
 
-    assert [loop["step"] for loop in report["training_loop"]] == [f"{ms:g} ms step" for ms in STEP_MS]
+    assert [loop["step"] for loop in report["training_loop"]] == [
+        *(f"{ms:g} ms step" for ms in STEP_MS),
+        f"{PYTHON_STEP_MS:g} ms Python step",
+    ]
     for loop in report["training_loop"]:
         check_summary(loop, THROUGHPUT_FIELDS | WAIT_FIELDS)
         for repeat in loop["repeats"]:
             assert repeat["steps"] == BATCHES and len(repeat["waits_ms"]) == BATCHES, repeat
         assert 0.0 <= loop["later_waited_fraction"] <= 1.0
+        assert loop["step_alone_ms"] > 0 and loop["step_in_loop_ms"] > 0
