@@ -640,7 +640,11 @@ class Eagle3DecoderLayer(nn.Module):
         position_ids: Tensor,
         cache: KVCache | TTTCache | None,
         attention_mask: Tensor | None,
+        rows: Tensor | None = None,
     ) -> Tensor:
+        """rows: the (B x T) flat indices of the rows whose output is used, or None for all. The others skip the
+        MLP (their output is then the attention's residual alone): attention is the only place rows meet, and it
+        reads its keys and values before the MLP."""
         # The residual stream is the hidden state; the embedding only enters through attention.
         residual = hidden_states
         x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden_states)], dim=-1)  # (B, T, 2H)
@@ -649,9 +653,17 @@ class Eagle3DecoderLayer(nn.Module):
         hidden_states = residual + self.self_attn(x, position_ids, cache, attention_mask)
 
         # Fully Connected
+        if rows is None:
+            return hidden_states + self._mlp(hidden_states)
+        flat = hidden_states.flatten(0, 1)  # (B * T, H)
+        update = self._mlp(flat.index_select(0, rows))  # (n, H)
+        dtype = torch.promote_types(flat.dtype, update.dtype)  # as `+` above would promote
+        return flat.to(dtype).index_add(0, rows, update.to(dtype)).view(hidden_states.shape)
+
+    def _mlp(self, hidden_states: Tensor) -> Tensor:
         if self.config.recompute_mlp and torch.is_grad_enabled():
-            return hidden_states + checkpoint(self._mlp_block, hidden_states, use_reentrant=False)
-        return hidden_states + self._mlp_block(hidden_states)
+            return checkpoint(self._mlp_block, hidden_states, use_reentrant=False)
+        return self._mlp_block(hidden_states)
 
     def _mlp_block(self, hidden_states: Tensor) -> Tensor:
         return self.mlp(self.post_attention_layernorm(hidden_states))
@@ -740,15 +752,17 @@ class Eagle3Drafter(nn.Module):
         cache: KVCache | TTTCache | None = None,
         attention_mask: Tensor | None = None,
         weights: dict[str, Tensor] | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
         """One pass of the midlayer: (B, T, H) embeddings and hidden states -> (B, T, H), pre-norm.
 
         position_ids [B, T] (or [1, T]). cache: None for a standalone causal pass, a `KVCache` to decode
         incrementally, a `TTTCache` to unroll the training-time test. attention_mask: optional bool, True = may
         attend, broadcastable to [B, 1, T, S] (over step 0's block [.., T, T] with a TTTCache); default causal.
-        weights: the midlayer's weights to use instead of its own, by name (`backbone_weights`).
+        weights: the midlayer's weights to use instead of its own, by name (`backbone_weights`). rows: the flat
+        (B x T) indices of the rows whose output is used; the others skip the MLP (`Eagle3DecoderLayer`).
         """
-        args = (input_embeds, hidden_states, position_ids, cache, attention_mask)
+        args = (input_embeds, hidden_states, position_ids, cache, attention_mask, rows)
         if weights:
             return torch.func.functional_call(self.midlayer, weights, args)
         return self.midlayer(*args)

@@ -253,6 +253,22 @@ def teacher(target_head: TargetHead, hidden_rows: Tensor, draft_vocab: Tensor) -
     return tokens, p
 
 
+def live_rows(predictable: Tensor, ttt_length: int) -> list[Tensor]:
+    """Per unrolled step i, the rows (flat indices into B x T) whose output a counted prediction needs: row t predicts
+    token t+2+j at step j, and its state at step i feeds only its own row's later steps (the TTT mask shares step 0's
+    keys and values alone, read before the MLP), so it is needed iff one of tokens t+2+i .. t+1+ttt_length counts.
+    Fewer rows every step; prompts and padding need none. One host sync a step, all before the steps run."""
+    B, T = predictable.shape
+    ahead = torch.zeros(B, T + ttt_length + 2, dtype=torch.bool, device=predictable.device)  # none past the end
+    ahead[:, :T] = predictable
+    needed = torch.zeros_like(ahead[:, :T])
+    rows: list[Tensor] = []
+    for i in reversed(range(ttt_length)):
+        needed = needed | ahead[:, 2 + i : 2 + i + T]  # (B, T) rows with a counted prediction at step i or later
+        rows.append(needed.flatten().nonzero().squeeze(1))
+    return rows[::-1]
+
+
 def ttt_loss(
     drafter: Eagle3Drafter,
     target_head: TargetHead,
@@ -279,6 +295,7 @@ def ttt_loss(
         draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
         predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
         predicted_batch = predicted_pos = torch.empty(0, dtype=torch.long, device=device)  # the fused path's rows
+        step_rows: list[Tensor | None] = [None] * ttt_length  # per step, the rows whose output is used (None: all)
         if fused_head:
             # Token p is predicted by row p-2-i at step i (so p >= 2), and taught by the target's position p-1: the
             # teacher and every step's head and loss need those rows alone. Prompt and padding rows, which count for
@@ -286,6 +303,8 @@ def ttt_loss(
             predicted_batch, predicted_pos = predictable[:, 2:].nonzero(as_tuple=True)  # (n,) each
             predicted_pos = predicted_pos + 2
             fused_head = predicted_pos.numel() > 0  # nothing to learn: the reference's zero loss, without empty kernels
+        if fused_head:
+            step_rows = [*live_rows(predictable, ttt_length)]
         if fused_head:
             counted_states = batch.hidden_state[predicted_batch, predicted_pos - 1]  # (n, H_t)
             target_token, target_p = teacher(target_head, counted_states, draft_vocab)  # (n,), (n, V_draft)
@@ -314,9 +333,15 @@ def ttt_loss(
         if rows <= 0:  # the sequence ends before this step reaches anything; so do all later steps
             break
 
-        # Step 3.1: row t takes token t+1+i (EAGLE's shift of one, plus one per step) at position t+i.
+        # Step 3.1: row t takes token t+1+i (EAGLE's shift of one, plus one per step) at position t+i; the rows no
+        # counted prediction needs any more skip the MLP.
+        needed_rows = step_rows[i]
+        if needed_rows is not None and needed_rows.numel() == 0:
+            break  # no counted token left for this step or any later one
         input_embeds = shifted_embeds[:, 1 + i : 1 + i + T]  # (B, T, H)
-        hidden = drafter.backbone(input_embeds, hidden, position_ids + i, cache=cache, weights=weights)  # fed forward
+        hidden = drafter.backbone(
+            input_embeds, hidden, position_ids + i, cache=cache, weights=weights, rows=needed_rows
+        )  # fed forward
 
         # Step 3.2: the rows that have a target; 3.3: their logits, and the soft cross-entropy against the teacher, mean
         # over counted rows; each step's term in the loss weighted by step_decay**i (EAGLE-3's 0.8**i: later steps

@@ -64,11 +64,12 @@ class OracleDrafter(Eagle3Drafter):
         cache: KVCache | TTTCache | None = None,
         attention_mask: Tensor | None = None,
         weights: dict[str, Tensor] | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
         self.positions = position_ids.expand(input_embeds.shape[:2])
         self.rows_from_start = isinstance(cache, TTTCache)  # the loss takes logits of the first rows, decoding the last
         self.chain_length += 1
-        return super().backbone(input_embeds, hidden_states, position_ids, cache, attention_mask)
+        return super().backbone(input_embeds, hidden_states, position_ids, cache, attention_mask, rows=rows)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         rows = hidden_states.shape[1]

@@ -313,6 +313,41 @@ def test_fast_paths_give_the_eager_loss_metrics_and_gradients(
     )
 
 
+def test_rows_no_counted_prediction_needs_skip_the_mlp(
+    tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
+) -> None:
+    """Row t predicts token t+2+j at step j, and its state at step i feeds only its own later steps: the fused path
+    runs the MLP on a step's rows only while one of their predictions from that step on counts. Prompts and padding
+    (half of each sequence here, and up to 13 padded rows) cost no MLP; that it changes no loss or gradient is
+    `test_fast_paths_give_the_eager_loss_metrics_and_gradients`'s to check."""
+    drafter, target_head = fresh_drafter(tiny_model_dir, draft_vocab_size=300)
+    batch = captured_batch(tiny_target, *random_sequences, AUX_LAYER_IDS)
+    B, T = batch.input_ids.shape
+    predictable = (batch.loss_mask.bool() & batch.attention_mask).tolist()
+    steps = 7
+    expected = [
+        sum(
+            any(t + 2 + j < T and predictable[b][t + 2 + j] for j in range(i, steps))
+            for b in range(B)
+            for t in range(T)
+        )
+        for i in range(steps)
+    ]
+    mlp_rows: list[int] = []
+    hook = drafter.midlayer.mlp.register_forward_hook(lambda module, args, out: mlp_rows.append(args[0].shape[0]))
+    try:
+        ttt_loss(drafter, target_head, batch, ttt_length=steps).loss.backward()
+        assert mlp_rows == expected
+        assert all(rows < B * T for rows in expected) and expected == sorted(expected, reverse=True)
+
+        mlp_rows.clear()
+        with torch.no_grad():  # evaluation computes every row, as the reference does
+            ttt_loss(drafter, target_head, batch, ttt_length=steps)
+        assert len(mlp_rows) == steps and all(rows == B for rows in mlp_rows)  # (B, T, H): dim 0 is the batch
+    finally:
+        hook.remove()
+
+
 def test_a_batch_with_nothing_to_learn_gives_a_zero_loss_on_every_path(
     tiny_model_dir: Path, tiny_target: LlamaForCausalLM, random_sequences: tuple
 ) -> None:
