@@ -305,7 +305,6 @@ def ttt_loss(
             fused_head = predicted_pos.numel() > 0  # nothing to learn: the reference's zero loss, without empty kernels
         if fused_head:
             step_rows = [*live_rows(predictable, ttt_length)]
-        if fused_head:
             counted_states = batch.hidden_state[predicted_batch, predicted_pos - 1]  # (n, H_t)
             target_token, target_p = teacher(target_head, counted_states, draft_vocab)  # (n,), (n, V_draft)
         else:
