@@ -17,13 +17,12 @@ checked against its manifest as in a real run. Then, interleaved, --repeats time
   random drafter at Llama-3.1-8B dimensions, each batch copied to the device), so the step's Python, its kernel
   launches and the host-to-device copies compete with the loader's threads as they do in a real run; the GPU idles
   for as long as a step waits for its data.
-- each loop's step also alone, before its pass, on one batch loaded beforehand (the same number of steps): its time
-  per step there against its time in the loop, not counting the waits, is what the loader's threads cost it (for
-  the GPU step, the share of the step its GPU idled beside them).
-
 - training loop, per --python-step-ms: the same loop with a step of that much of the host's own Python (a fixed
   count of interpreter operations, timed alone before the passes), as a training step's kernel launches
   are: its time per step beside the loader, against that, is how much the loader's threads hold the GIL.
+- each loop's step also alone, before its pass, on one batch loaded beforehand (the same number of steps): its time
+  per step there against its time in the loop, not counting the waits, is what the loader's threads cost it (for
+  the GPU step, the share of the step its GPU idled beside them).
 
 A sleep holds neither a core nor the GIL: a real step's own Python (kernel launches) and each batch's copy to the
 device come on top (--python-step-ms stands in for the first on any machine; --gpu-step measures both). Local files
@@ -565,10 +564,14 @@ def main() -> None:
             config = train_config(job, args)
             print(f"job written: {len(manifests)} shards", flush=True)
             keys = [s.key for m in manifests for s in m.samples]
-            batches = len(planned_batches(data_parts(config, job, storage, None)[0]))
             # The drafter's frozen token embedding, on the host as the trainer keeps it: every loaded batch's tokens are
             # looked up there, as the trainer's loader does (at Llama-3.1-8B's vocabulary and width, 1 GB).
             token_embedding = torch.randn(VOCAB_SIZE, args.hidden, dtype=torch.bfloat16).mul_(0.02)
+            planner, sample_loader = data_parts(config, job, storage, None, token_embedding)
+            planned = planned_batches(planner)
+            batches = len(planned)
+            group = [sample_loader.load(planned[0])] * args.grad_accum  # the steps' own time is taken on this one
+            sample_loader.close()
             raw: list[Pass] = []
             loader: list[Pass] = []
             steps = {f"{ms:g} ms step": sleep_step(ms) for ms in step_ms}
@@ -579,9 +582,6 @@ def main() -> None:
                 steps[f"the trainer's step on {torch.cuda.get_device_name(device)}"] = gpu_step(device, passes)
             loops: dict[str, list[Pass]] = {label: [] for label in steps}
             alone: dict[str, list[float]] = {label: [] for label in steps}
-            planner, sample_loader = data_parts(config, job, storage, None, token_embedding)
-            group = [sample_loader.load(planned_batches(planner)[0])] * args.grad_accum  # the steps' own time on this
-            sample_loader.close()
             for _ in range(args.repeats):  # interleaved, so that drift on a shared machine touches every path
                 raw.append(raw_read(storage, keys, args.io_threads))
                 print(f"raw read {raw[-1].seconds:.2f} s", flush=True)

@@ -42,7 +42,7 @@ SafeAILab/EAGLE eagle/traineagle3/cnets.py.
 """
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -295,7 +295,7 @@ def ttt_loss(
         draft_vocab = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size, device=device))  # t2d's ids
         predictable = batch.loss_mask.bool() & batch.attention_mask.bool()  # (B, T) tokens worth predicting
         predicted_batch = predicted_pos = torch.empty(0, dtype=torch.long, device=device)  # the fused path's rows
-        step_rows: list[Tensor | None] = [None] * ttt_length  # per step, the rows whose output is used (None: all)
+        step_rows: Sequence[Tensor | None] = [None] * ttt_length  # per step, the rows whose output is used (None: all)
         if fused_head:
             # Token p is predicted by row p-2-i at step i (so p >= 2), and taught by the target's position p-1: the
             # teacher and every step's head and loss need those rows alone. Prompt and padding rows, which count for
@@ -304,7 +304,7 @@ def ttt_loss(
             predicted_pos = predicted_pos + 2
             fused_head = predicted_pos.numel() > 0  # nothing to learn: the reference's zero loss, without empty kernels
         if fused_head:
-            step_rows = [*live_rows(predictable, ttt_length)]
+            step_rows = live_rows(predictable, ttt_length)
             counted_states = batch.hidden_state[predicted_batch, predicted_pos - 1]  # (n, H_t)
             target_token, target_p = teacher(target_head, counted_states, draft_vocab)  # (n,), (n, V_draft)
         else:
