@@ -283,6 +283,8 @@ class OursVariant:
     recompute_mlp: bool = False
     # the TTT attention's diagonal merges compiled on CUDA (None: `drafter.COMPILE_MERGE_ON_CUDA` as it is)
     compiled_merges: bool | None = None
+    # the fused kernel of step 0's causal block on CUDA (None: `drafter.CAUSAL_BLOCK_KERNEL` as it is)
+    causal_block_kernel: str | None = None
 
 
 # Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
@@ -295,6 +297,8 @@ OURS_VARIANTS = {
     "compile": OursVariant(compile_backbone=True),
     "recompute_mlp": OursVariant(recompute_mlp=True),
     "eager_merges": OursVariant(compiled_merges=False),
+    "flash_attention": OursVariant(causal_block_kernel="flash"),
+    "cudnn_attention": OursVariant(causal_block_kernel="cudnn"),
 }
 
 
@@ -312,14 +316,16 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
     if compiled:
         drafter.compile_backbone()
     drafter.config.recompute_mlp = setup.recompute_mlp
-    merges_default = drafter_module.COMPILE_MERGE_ON_CUDA
+    merges_default, kernel_default = drafter_module.COMPILE_MERGE_ON_CUDA, drafter_module.CAUSAL_BLOCK_KERNEL
     if setup.compiled_merges is not None:
         drafter_module.COMPILE_MERGE_ON_CUDA = setup.compiled_merges
+    if setup.causal_block_kernel is not None:
+        drafter_module.CAUSAL_BLOCK_KERNEL = setup.causal_block_kernel
     try:
         yield drafter
     finally:
         drafter.config.recompute_mlp = False
-        drafter_module.COMPILE_MERGE_ON_CUDA = merges_default
+        drafter_module.COMPILE_MERGE_ON_CUDA, drafter_module.CAUSAL_BLOCK_KERNEL = merges_default, kernel_default
         # The weights (a compiled copy's too, whatever still refers to it) leave the GPU to the next side.
         for model in (drafter, models.drafter, models.target_head):
             model.cpu()
@@ -386,6 +392,46 @@ def ttt_gradients(
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).cpu() for name, p in params.items()}
         drafter.zero_grad(set_to_none=True)
     return grads
+
+
+# bf16 against fp32: the tolerance of the trainer's GPU test of the same attention (tests/trainer/test_drafter.py)
+ATTENTION_RTOL = 2e-2
+
+
+def attention_agreement(shape: Shape, kernel: str, device: torch.device, *, steps: int = 3, T: int = 1024) -> dict:
+    """The fast TTT attention with `kernel` for step 0's block, in bf16, against the eager one in fp32 at the model's
+    attention dims (one sequence of T, `steps` unrolled steps): the output and every input's gradient."""
+    generator = torch.Generator(device).manual_seed(0)
+    nh, nkv, D = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+    inputs = [torch.randn(1, nh, T, D, generator=generator, device=device)]
+    inputs += [torch.randn(1, nkv, T, D, generator=generator, device=device) for _ in range(2 * steps)]
+    grad_out = torch.randn(1, nh, T, D, generator=generator, device=device)
+
+    def run(attention: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
+        query, *steps_kv = [x.to(dtype).requires_grad_() for x in inputs]
+        out = attention(query, steps_kv[:steps], steps_kv[steps:], None, 1 / D**0.5)
+        return [out, *torch.autograd.grad(out, [query, *steps_kv], grad_out.to(dtype))]
+
+    kernel_default = drafter_module.CAUSAL_BLOCK_KERNEL
+    drafter_module.CAUSAL_BLOCK_KERNEL = kernel
+    try:
+        got = run(drafter_module.ttt_attention_sdpa, torch.bfloat16)
+    finally:
+        drafter_module.CAUSAL_BLOCK_KERNEL = kernel_default
+    expected = run(drafter_module.ttt_attention, torch.float32)
+    names = ["out", "query", *(f"key{j}" for j in range(steps)), *(f"value{j}" for j in range(steps))]
+    errors = {
+        name: float((a.detach().float() - b).norm() / b.norm()) for name, a, b in zip(names, got, expected, strict=True)
+    }
+    worst = max(errors, key=errors.__getitem__)
+    return {
+        "kernel": kernel,
+        "relative_errors": errors,
+        "worst": worst,
+        "worst_relative_error": errors[worst],
+        "tolerance": ATTENTION_RTOL,
+        "agree": errors[worst] < ATTENTION_RTOL,
+    }
 
 
 def compare_gradients(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> dict:
@@ -546,6 +592,20 @@ def main() -> None:
             f"(fp32): worst {check['worst_relative_error']:.1e} ({check['worst_weight']}), {verdict}",
             flush=True,
         )
+    if device.type == "cuda":
+        # The gradients above are fp32, which no fused attention kernel takes: each causal-block kernel the rows below
+        # use is checked here in bf16, at the model's attention dims, against the eager TTT attention in fp32.
+        report["attention_agreement"] = {}
+        for variant in dict.fromkeys((OURS_DEFAULT, *args.ours_variants)):
+            kernel = OURS_VARIANTS[variant].causal_block_kernel or drafter_module.CAUSAL_BLOCK_KERNEL
+            if kernel not in report["attention_agreement"]:
+                report["attention_agreement"][kernel] = check = attention_agreement(shape, kernel, device)
+                print(
+                    f"the TTT attention with the {kernel} kernel (bf16) against the eager one (fp32), output and every "
+                    f"input's gradient: worst {check['worst_relative_error']:.1e} ({check['worst']}), "
+                    + ("agree" if check["agree"] else "DISAGREE"),
+                    flush=True,
+                )
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print()
 

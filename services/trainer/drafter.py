@@ -260,13 +260,27 @@ def _flash_supports(query: Tensor) -> bool:
     )
 
 
+# Which fused kernel computes step 0's causal block on CUDA: "flash" (FlashAttention-2, torch's own build) or
+# "cudnn" (cuDNN's fused attention, which has kernels written for Hopper). Both return the logsumexp the merge needs
+# and take the merged out and lse in backward; the benchmark (`bench/vs_specforge.py`, variants `flash_attention` and
+# `cudnn_attention`) times either beside the default and checks its output and gradients in bf16.
+CAUSAL_BLOCK_KERNEL = "flash"
+CAUSAL_BLOCK_KERNELS = ("flash", "cudnn")
+
+
 def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
     """Causal attention over one [T, T] block: out [B, nh, T, D], lse fp32 [B, nh, T], and what backward needs."""
+    if query.is_cuda and CAUSAL_BLOCK_KERNEL == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, True, 0.0, True, False, scale=scale
+        )
+        # cuDNN's logsumexp may carry a trailing unit dimension; backward gets it back in the shape forward gave
+        return out, lse.reshape(query.shape[:3]), ("cudnn", lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
     if query.is_cuda:
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, True, False, scale=scale
         )
-        return out, lse[..., : query.shape[2]], (cum_q, cum_k, max_q, max_k, seed, offset)
+        return out, lse[..., : query.shape[2]], ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
     return out, lse, ()
 
@@ -274,8 +288,29 @@ def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: floa
 def _causal_block_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, scale: float, state: tuple
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if query.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = state
+    if state and state[0] == "cudnn":
+        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state[1:]
+        # out and grad_out in one (contiguous) layout: cuDNN's backward wants the two alike
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out.contiguous(),
+            query,
+            key,
+            value,
+            out.contiguous(),
+            lse.contiguous().view(lse_shape),
+            seed,
+            offset,
+            None,
+            cum_q,
+            cum_k,
+            max_q,
+            max_k,
+            0.0,
+            True,
+            scale=scale,
+        )
+    if state:
+        cum_q, cum_k, max_q, max_k, seed, offset = state[1:]
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
         )

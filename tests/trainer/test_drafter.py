@@ -327,12 +327,14 @@ def test_sdpa_ttt_attention_with_traced_merges_matches_eager(steps: int, monkeyp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel path needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", drafter_module.CAUSAL_BLOCK_KERNELS)
 @pytest.mark.parametrize("compiled_merges", [False, True])
 @pytest.mark.parametrize("steps", [1, 3])
 def test_sdpa_ttt_attention_matches_eager_on_cuda_in_bf16(
-    steps: int, compiled_merges: bool, monkeypatch: pytest.MonkeyPatch
+    steps: int, compiled_merges: bool, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(drafter_module, "COMPILE_MERGE_ON_CUDA", compiled_merges)  # Inductor's kernels when True
+    monkeypatch.setattr(drafter_module, "CAUSAL_BLOCK_KERNEL", kernel)
     reference = ttt_attention_outputs_and_grads(ttt_attention, steps, dtype=torch.float32, device="cuda")
     for attention in (ttt_attention, ttt_attention_sdpa):
         got = ttt_attention_outputs_and_grads(attention, steps, dtype=torch.bfloat16, device="cuda")

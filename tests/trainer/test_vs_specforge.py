@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.vs_specforge import GRADIENT_RTOL, compare_gradients
+from bench.vs_specforge import DIMS, GRADIENT_RTOL, attention_agreement, compare_gradients
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +69,16 @@ def test_a_variant_whose_backward_lost_a_weights_gradient_is_flagged() -> None:
     zeroed = {**expected, "fc.weight": torch.zeros(8, 4)}
     check = compare_gradients(expected, zeroed)
     assert not check["agree"] and check["worst_weight"] == "fc.weight" and check["worst_relative_error"] == 1.0
+
+
+def test_the_bf16_attention_check_reads_the_output_and_every_inputs_gradient() -> None:
+    # On a GPU it checks each causal-block kernel the timed rows use; the CPU's bf16 flash kernel takes its place here.
+    check = attention_agreement(DIMS["tiny"], "flash", torch.device("cpu"), steps=3, T=64)
+    assert sorted(check["relative_errors"]) == sorted(
+        ["out", "query", "key0", "key1", "key2", "value0", "value1", "value2"]
+    )
+    assert all(0 < error < check["tolerance"] for error in check["relative_errors"].values()), check
+    assert check["agree"]
 
 
 LEAK_CHECK = """
