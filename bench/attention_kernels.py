@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,13 +30,21 @@ from services.trainer import drafter as drafter_module
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 
 
-def attention_pass(kernel: str, inputs: list[torch.Tensor], grad_out: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The output and every input's gradient of one TTT attention call with `kernel` for step 0's block."""
+def attention_pass(
+    inputs: list[torch.Tensor],
+    grad_out: torch.Tensor,
+    steps: int,
+    *,
+    kernel: str | None = None,
+    attention: Callable = drafter_module.ttt_attention_sdpa,
+) -> list[torch.Tensor]:
+    """The output and every input's gradient of one TTT attention call on (query, keys..., values...): the fast one
+    with `kernel` for step 0's block (None: the default), or `attention` (the eager `drafter.ttt_attention`)."""
     default = drafter_module.CAUSAL_BLOCK_KERNEL
-    drafter_module.CAUSAL_BLOCK_KERNEL = kernel
+    drafter_module.CAUSAL_BLOCK_KERNEL = kernel or default
     try:
         query, *steps_kv = [x.detach().requires_grad_() for x in inputs]
-        out = drafter_module.ttt_attention_sdpa(query, steps_kv[:steps], steps_kv[steps:], None, HEAD_DIM**-0.5)
+        out = attention(query, steps_kv[:steps], steps_kv[steps:], None, query.shape[-1] ** -0.5)
         return [out.detach(), *torch.autograd.grad(out, [query, *steps_kv], grad_out)]
     finally:
         drafter_module.CAUSAL_BLOCK_KERNEL = default
@@ -52,13 +61,13 @@ def measure(length: int, *, steps: int, repeats: int, device: torch.device, dtyp
     results: dict[str, dict] = {}
     outputs: dict[str, list[torch.Tensor]] = {}
     for kernel in drafter_module.CAUSAL_BLOCK_KERNELS:
-        outputs[kernel] = attention_pass(kernel, inputs, grad_out, steps)  # the warm-up
+        outputs[kernel] = attention_pass(inputs, grad_out, steps, kernel=kernel)  # the warm-up
         times = []
         for _ in range(repeats):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            attention_pass(kernel, inputs, grad_out, steps)
+            attention_pass(inputs, grad_out, steps, kernel=kernel)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)

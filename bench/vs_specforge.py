@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.attention_kernels import attention_pass
 from bench.memory_peak import format_breakdown, peak_breakdown, recorded_allocations
 from bench.trainer_throughput import SHAPES, Shape, random_models, trainer_step
 from services.trainer import drafter as drafter_module
@@ -407,22 +408,10 @@ def attention_agreement(shape: Shape, kernel: str, device: torch.device, *, step
     inputs += [torch.randn(1, nkv, T, D, generator=generator, device=device) for _ in range(2 * steps)]
     grad_out = torch.randn(1, nh, T, D, generator=generator, device=device)
 
-    def run(attention: Callable, dtype: torch.dtype) -> list[torch.Tensor]:
-        query, *steps_kv = [x.to(dtype).requires_grad_() for x in inputs]
-        out = attention(query, steps_kv[:steps], steps_kv[steps:], None, 1 / D**0.5)
-        return [out, *torch.autograd.grad(out, [query, *steps_kv], grad_out.to(dtype))]
-
-    kernel_default = drafter_module.CAUSAL_BLOCK_KERNEL
-    drafter_module.CAUSAL_BLOCK_KERNEL = kernel
-    try:
-        got = run(drafter_module.ttt_attention_sdpa, torch.bfloat16)
-    finally:
-        drafter_module.CAUSAL_BLOCK_KERNEL = kernel_default
-    expected = run(drafter_module.ttt_attention, torch.float32)
+    got = attention_pass([x.bfloat16() for x in inputs], grad_out.bfloat16(), steps, kernel=kernel)
+    expected = attention_pass(inputs, grad_out, steps, attention=drafter_module.ttt_attention)  # fp32
     names = ["out", "query", *(f"key{j}" for j in range(steps)), *(f"value{j}" for j in range(steps))]
-    errors = {
-        name: float((a.detach().float() - b).norm() / b.norm()) for name, a, b in zip(names, got, expected, strict=True)
-    }
+    errors = {name: float((a.float() - b).norm() / b.norm()) for name, a, b in zip(names, got, expected, strict=True)}
     worst = max(errors, key=errors.__getitem__)
     return {
         "kernel": kernel,
