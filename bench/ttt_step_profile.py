@@ -309,8 +309,8 @@ def profile_step(drafter, target_head, name: str, B: int, T: int, path: Path) ->
     return by_kind
 
 
-KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins: flash kernels name cutlass types
-    ("attention", ("flash", "fmha", "attention")),
+KERNEL_CATEGORIES = [  # (category, substrings of kernel names), first match wins: attention kernels name cutlass types
+    ("attention", ("flash", "fmha", "attention", "sdpa")),  # cuDNN's fused attention: "..._native_sdpa_sm90_..."
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas")),
     ("compiled (Inductor/Triton)", ("triton_",)),
     ("optimizer", ("adam", "multi_tensor")),
