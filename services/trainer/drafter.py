@@ -261,26 +261,28 @@ def _flash_supports(query: Tensor) -> bool:
 
 
 # Which fused kernel computes step 0's causal block on CUDA: "cudnn" (cuDNN's fused attention, which has kernels
-# written for Hopper; where cuDNN cannot, below 9.0 or before Ampere, flash) or "flash" (FlashAttention-2, torch's
-# own build). Both return the logsumexp the merge needs and take the merged out and lse in backward. On an H100 cuDNN's
-# takes 0.63x flash's time over a 16K or 32K sequence, and the whole step 6% less at 1x8192 (docs/benchmarks.md); the
-# benchmark (`bench/vs_specforge.py`, variants `flash_attention` and `cudnn_attention`) times either beside the
-# default and checks each kernel's output and gradients in bf16.
+# written for Hopper; flash where cuDNN is older than 9, the GPU older than Ampere or the heads wider than 128) or
+# "flash" (FlashAttention-2, torch's own build). Both return the logsumexp the merge needs and take the merged out and
+# lse in backward. On an H100 cuDNN's kernel takes 0.63x flash's time over a 16K or 32K sequence, and the whole step
+# 6% less at 1x8192 (docs/benchmarks.md); the benchmark (`bench/vs_specforge.py`, variants `flash_attention` and
+# `cudnn_attention`) times either beside the default and checks each kernel's output and gradients in bf16.
 CAUSAL_BLOCK_KERNEL = "cudnn"
 CAUSAL_BLOCK_KERNELS = ("flash", "cudnn")
 
 
 def _causal_block_kernel(query: Tensor) -> str:
-    """The kernel step 0's block runs on: "cpu", or on CUDA `CAUSAL_BLOCK_KERNEL` where the device and cuDNN have it."""
+    """The kernel step 0's block runs on: "cpu", or on CUDA `CAUSAL_BLOCK_KERNEL` where the device and cuDNN have it
+    (cuDNN for head dims up to 128, those its backward is measured on here; flash takes wider heads)."""
     if not query.is_cuda:
         return "cpu"
-    if CAUSAL_BLOCK_KERNEL == "cudnn" and _cudnn_attention_runs_on(query.device):
+    if CAUSAL_BLOCK_KERNEL == "cudnn" and query.shape[-1] <= 128 and _cudnn_attention_runs_on(query.device):
         return "cudnn"
     return "flash"
 
 
 @functools.cache
 def _cudnn_attention_runs_on(device: torch.device) -> bool:
+    """cuDNN 9 or later on an Ampere or later GPU: what its fused attention needs."""
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return version is not None and version >= 90000 and torch.cuda.get_device_capability(device) >= (8, 0)
 
@@ -292,7 +294,7 @@ def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: floa
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, True, 0.0, True, False, scale=scale
         )
-        # cuDNN's logsumexp carries a trailing unit dimension; backward gets it back in the shape forward gave
+        # cuDNN's logsumexp may carry a trailing unit dimension: backward gets it back in the shape forward gave
         return out, lse.reshape(query.shape[:3]), (kernel, lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
     if kernel == "flash":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
