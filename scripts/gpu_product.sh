@@ -99,8 +99,9 @@
 #               bench/sglang_regenerate, REGEN_CONVERSATIONS of the training prompts, 512 in flight, the server's
 #               prefill batches counted. Without it the server ran 8,537 prefill batches of 1 to 8 new turns between
 #               its decode steps for 12,000 prompts (H100, 13-16K tokens/s); with it 936 for 18,000 (H200, 24.6K)
-#   gpu-tests   the trainer's tests that only run on a GPU (the flash TTT attention, Inductor's compiled backbone, the
-#               lean norm/MLP and the recompute flags in bf16 against the eager paths, the loader's page-locked batches)
+#   gpu-tests   the trainer's tests that only run on a GPU (the TTT attention on cuDNN and flash, Inductor's compiled
+#               backbone, the lean norm/MLP and the recompute flags in bf16 against the eager paths, the loader's
+#               page-locked batches)
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
 #               and inputs (loss agreement, tokens/s, peak memory) at 1x2048 4x2048 1x8192 2x16384, then the long rows
 #               1x32768 2x32768 (TRAINER_SHAPES overrides; TRAINER_ARGS adds arguments). Runs on the machine's
