@@ -270,12 +270,14 @@ CAUSAL_BLOCK_KERNEL = "cudnn"
 CAUSAL_BLOCK_KERNELS = ("flash", "cudnn")
 
 
-def _causal_block_kernel(query: Tensor) -> str:
-    """The kernel step 0's block runs on: "cpu", or on CUDA `CAUSAL_BLOCK_KERNEL` where the device and cuDNN have it
-    (cuDNN for head dims up to 128, those its backward is measured on here; flash takes wider heads)."""
+def causal_block_kernel(query: Tensor, requested: str | None = None) -> str:
+    """The kernel step 0's block runs on for `query`: "cpu", or on CUDA the `requested` one (default
+    `CAUSAL_BLOCK_KERNEL`) where the device and cuDNN have it (cuDNN for head dims up to 128, those its backward is
+    measured on here; flash takes wider heads)."""
     if not query.is_cuda:
         return "cpu"
-    if CAUSAL_BLOCK_KERNEL == "cudnn" and query.shape[-1] <= 128 and _cudnn_attention_runs_on(query.device):
+    cudnn = (requested or CAUSAL_BLOCK_KERNEL) == "cudnn"
+    if cudnn and query.shape[-1] <= 128 and _cudnn_attention_runs_on(query.device):
         return "cudnn"
     return "flash"
 
@@ -289,7 +291,7 @@ def _cudnn_attention_runs_on(device: torch.device) -> bool:
 
 def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
     """Causal attention over one [T, T] block: out [B, nh, T, D], lse fp32 [B, nh, T], and what backward needs."""
-    kernel = _causal_block_kernel(query)
+    kernel = causal_block_kernel(query)
     if kernel == "cudnn":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, True, 0.0, True, False, scale=scale

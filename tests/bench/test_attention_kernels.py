@@ -19,6 +19,7 @@ def test_each_kernel_is_timed_and_compared_at_each_length(tmp_path: Path) -> Non
     for row in rows:
         assert sorted(row["kernels"]) == sorted(CAUSAL_BLOCK_KERNELS)
         assert all(len(k["runs_ms"]) == 2 and k["forward_backward_ms"] > 0 for k in row["kernels"].values())
+        assert all(k["ran"] == "cpu" for k in row["kernels"].values())  # the switch is for CUDA
         for kernel in others:
             # on the CPU every kernel is the CPU's flash kernel: the same numbers
             assert row["kernels"][kernel][f"relative_difference_from_{first}"] == 0.0
