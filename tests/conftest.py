@@ -22,7 +22,7 @@ SERVER_FIXTURES = {"reference_server_url", "server", "extracted_job", "smollm2_d
 
 
 # The longest modules, run first: minutes each (the live cluster, the compose stack, the short chaos soak), mostly
-# waiting on pods, containers and faults, so that under pytest-xdist (`TEST_WORKERS=2 make test`: a module per worker
+# waiting on pods, containers and faults, so that under pytest-xdist (`make test`: a module per worker
 # at a time) they start early beside the rest of the suite instead of ending it.
 FIRST = ("tests/k8s/", "tests/compose/", "tests/soak/")
 
