@@ -23,7 +23,10 @@ export is it, filtered).
    median of --steps timed steps after --warmup, and the peak of allocated GPU memory over them. A shape that runs out
    of memory on one side is named in the table; the other side is still measured. Each side starts from a GPU that
    holds nothing of the side before (garbage collected, and what is still allocated is recorded: `allocated_before_gib`,
-   part of that side's peak), with its two batches on the GPU before its steps.
+   part of that side's peak), with its two batches on the GPU before its steps. Tokens/s counts every position of
+   the batch, B*T. The batches (--inputs) have prompts and right padding by default, rows our step skips the
+   vocabulary projections and the MLP on where no prediction counts, and SpecForge computes in full; with
+   `--inputs learned` every position is real and learned, and neither side has work to skip.
 
     python -m bench.vs_specforge --dims llama3-8b --shapes 1x2048 4x2048 1x8192 2x16384 --out vs_specforge.json
 
@@ -86,15 +89,21 @@ def build_models(shape: Shape, seed: int = 0) -> Models:
     return Models(drafter, target_head, shape)
 
 
-def random_batch(shape: Shape, batch_size: int, seq_len: int, seed: int) -> Batch:
-    """Random states at the scale of a post-norm residual stream, a loss mask with unlearned stretches (prompts) and
-    right padding on all rows but the first, so that every mask path is exercised."""
+INPUTS = ("masked", "learned")
+
+
+def random_batch(shape: Shape, batch_size: int, seq_len: int, seed: int, *, inputs: str = "masked") -> Batch:
+    """Random states at the scale of a post-norm residual stream. "masked": a loss mask with unlearned stretches
+    (prompts) and right padding on all rows but the first, so that every mask path is exercised; "learned": every
+    token real and learned, as in the loader benchmark's samples, where our step skips no row's work."""
     generator = torch.Generator().manual_seed(seed)
     B, T, H = batch_size, seq_len, shape.hidden_size
     lengths = torch.full((B,), T)
-    lengths[1:] = torch.randint(T // 2, T + 1, (B - 1,), generator=generator)
+    prompt = torch.zeros(B, dtype=torch.long)
+    if inputs == "masked":
+        lengths[1:] = torch.randint(T // 2, T + 1, (B - 1,), generator=generator)
+        prompt = torch.randint(0, max(1, T // 4), (B,), generator=generator)
     attention_mask = torch.arange(T)[None, :] < lengths[:, None]
-    prompt = torch.randint(0, max(1, T // 4), (B,), generator=generator)
     loss_mask = (torch.arange(T)[None, :] >= prompt[:, None]) & attention_mask
     return Batch(
         input_ids=torch.randint(0, shape.vocab_size, (B, T), generator=generator),
@@ -537,6 +546,13 @@ def main() -> None:
         default=True,
         help="on a GPU, one more step per side and shape with its allocations recorded: what is alive at the peak",
     )
+    parser.add_argument(
+        "--inputs",
+        choices=INPUTS,
+        default="masked",
+        help="the timed batches: masked (prompts and right padding: rows our step skips work on) or learned (every "
+        "token real and learned); tokens/s counts every position, padding included, on both sides",
+    )
     parser.add_argument("--out", type=Path, required=True, help="write the results as JSON here (after every shape)")
     args = parser.parse_args()
     import_specforge()
@@ -555,6 +571,7 @@ def main() -> None:
         "specforge_attention": args.specforge_attention,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
+        "inputs": args.inputs,
         "shapes": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -604,7 +621,8 @@ def main() -> None:
     print(f"{'shape':8s} {'side':20s} {'tokens/s':>12s} {'step ms':>10s} {'peak GiB':>9s} {'resident GiB':>11s}")
     for text in args.shapes:
         B, T = parse_shape(text)
-        batches = [random_batch(shape, B, T, seed) for seed in (2, 3)]
+        batches = [random_batch(shape, B, T, seed, inputs=args.inputs) for seed in (2, 3)]
+        learned = sum(int(batch.loss_mask.sum()) for batch in batches) / (len(batches) * B * T)
         breakdown = args.memory_breakdown and device.type == "cuda"
         ours = measure_ours(models, batches, device=device, warmup=args.warmup, steps=args.steps, breakdown=breakdown)
         variants = {
@@ -621,13 +639,19 @@ def main() -> None:
             attention_backend=args.specforge_attention,
             breakdown=breakdown,
         )
-        entry: dict[str, Any] = {"shape": text, "ours": ours, "specforge": theirs, **against(theirs, ours)}
+        entry: dict[str, Any] = {
+            "shape": text,
+            "learned_fraction": learned,
+            "ours": ours,
+            "specforge": theirs,
+            **against(theirs, ours),
+        }
         if variants:
             entry["ours_variants"] = {name: result | against(theirs, result) for name, result in variants.items()}
         report["shapes"].append(entry)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
         tokens = B * T
-        print(f"{text:8s}")
+        print(f"{text:8s} ({learned:.0%} of the positions learned)")
         for name, result in {OURS_DEFAULT: ours, **variants}.items():
             check = report["gradient_agreement"].get(name)
             unchecked = "" if check is None or check["agree"] else "  (gradients DISAGREE)"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.vs_specforge import DIMS, GRADIENT_RTOL, attention_agreement, compare_gradients
+from bench.vs_specforge import DIMS, GRADIENT_RTOL, attention_agreement, compare_gradients, random_batch
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -108,3 +108,11 @@ def test_the_loss_checks_specforge_models_are_freed_when_it_ends() -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "0 of 2", result.stdout
+
+
+def test_learned_inputs_have_every_position_real_and_learned_and_masked_ones_do_not() -> None:
+    masked = random_batch(DIMS["tiny"], 4, 64, seed=2)
+    learned = random_batch(DIMS["tiny"], 4, 64, seed=2, inputs="learned")
+    assert bool(learned.attention_mask.all()) and bool(learned.loss_mask.eq(1).all())
+    assert not bool(masked.attention_mask.all()) and int(masked.loss_mask.sum()) < 4 * 64
+    assert learned.aux_hidden_state.shape == masked.aux_hidden_state.shape == (4, 64, 3 * DIMS["tiny"].hidden_size)
