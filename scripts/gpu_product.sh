@@ -105,10 +105,10 @@
 #   trainer     bench/vs_specforge at Llama-3.1-8B dimensions: SpecForge's training step and ours on the same weights
 #               and inputs (loss agreement, tokens/s, peak memory) at 1x2048 4x2048 1x8192 2x16384, then the long rows
 #               1x32768 2x32768 (TRAINER_SHAPES overrides; TRAINER_ARGS adds arguments, e.g. --inputs learned: every
-#               position real and learned, where the default batches' prompts and padding are rows our step skips). Runs on the machine's
-#               torch, Triton and transformers with the project's imports (pydantic from the SGLang site, redis-py
-#               and boto3 from .sgl_s: after the stages above and `deps`), plus specforge-0.2.0-py3-none-any.whl in
-#               .gpu_wheels (`deps` installs it); no SGLang server.
+#               position real and learned, where the default batches' prompts and padding are rows our step skips).
+#               Runs on the machine's torch, Triton and transformers with the project's imports (pydantic from the
+#               SGLang site, redis-py and boto3 from .sgl_s: after the stages above and `deps`), plus
+#               specforge-0.2.0-py3-none-any.whl in .gpu_wheels (`deps` installs it); no SGLang server.
 #   trainer-profile  bench/ttt_step_profile at Llama-3.1-8B dimensions: loss and gradient parity of each variant
 #               with the eager path, tokens/s and peak memory at each shape (TRAINER_PROFILE_SHAPES, default
 #               "1x2048 4x2048"), and the profiler's table and kernel time by kind of one step at each
