@@ -56,6 +56,7 @@ from bench.attention_kernels import attention_pass
 from bench.memory_peak import format_breakdown, peak_breakdown, recorded_allocations
 from bench.trainer_throughput import SHAPES, Shape, random_models, trainer_step
 from services.trainer import drafter as drafter_module
+from services.trainer import loss as loss_module
 from services.trainer.config import TrainConfig, compiles_backbone
 from services.trainer.drafter import Eagle3Drafter, TargetHead
 from services.trainer.export import sglang_config
@@ -295,6 +296,12 @@ class OursVariant:
     compiled_merges: bool | None = None
     # the fused kernel of step 0's causal block on CUDA (None: `drafter.CAUSAL_BLOCK_KERNEL` as it is)
     causal_block_kernel: str | None = None
+    # cuDNN reading the key-value heads as they are (None: `drafter.CUDNN_GROUPED_HEADS` as it is)
+    cudnn_grouped_heads: bool | None = None
+    # lm_head's weight gradient summed in fp32 by its matmuls (None: `loss.SUM_IN_FP32_ON_CUDA` as it is)
+    head_sums_in_fp32: bool | None = None
+    # the least share of a step's rows the MLP skips (None: `loss.MIN_SKIPPED_ROWS` as it is; 0: any)
+    min_skipped_rows: float | None = None
 
 
 # Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
@@ -309,6 +316,9 @@ OURS_VARIANTS = {
     "eager_merges": OursVariant(compiled_merges=False),
     "flash_attention": OursVariant(causal_block_kernel="flash"),
     "cudnn_attention": OursVariant(causal_block_kernel="cudnn"),
+    "repeated_kv_heads": OursVariant(cudnn_grouped_heads=False),
+    "bf16_head_sums": OursVariant(head_sums_in_fp32=False),
+    "mlp_skips_any_row": OursVariant(min_skipped_rows=0.0),
 }
 
 
@@ -326,16 +336,24 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
     if compiled:
         drafter.compile_backbone()
     drafter.config.recompute_mlp = setup.recompute_mlp
-    merges_default, kernel_default = drafter_module.COMPILE_MERGE_ON_CUDA, drafter_module.CAUSAL_BLOCK_KERNEL
-    if setup.compiled_merges is not None:
-        drafter_module.COMPILE_MERGE_ON_CUDA = setup.compiled_merges
-    if setup.causal_block_kernel is not None:
-        drafter_module.CAUSAL_BLOCK_KERNEL = setup.causal_block_kernel
+    # Module-level switches: (module, name, this variant's value or None for the default)
+    switches = [
+        (drafter_module, "COMPILE_MERGE_ON_CUDA", setup.compiled_merges),
+        (drafter_module, "CAUSAL_BLOCK_KERNEL", setup.causal_block_kernel),
+        (drafter_module, "CUDNN_GROUPED_HEADS", setup.cudnn_grouped_heads),
+        (loss_module, "SUM_IN_FP32_ON_CUDA", setup.head_sums_in_fp32),
+        (loss_module, "MIN_SKIPPED_ROWS", setup.min_skipped_rows),
+    ]
+    defaults = [getattr(module, name) for module, name, _ in switches]
+    for module, name, value in switches:
+        if value is not None:
+            setattr(module, name, value)
     try:
         yield drafter
     finally:
         drafter.config.recompute_mlp = False
-        drafter_module.COMPILE_MERGE_ON_CUDA, drafter_module.CAUSAL_BLOCK_KERNEL = merges_default, kernel_default
+        for (module, name, _), default in zip(switches, defaults, strict=True):
+            setattr(module, name, default)
         # The weights (a compiled copy's too, whatever still refers to it) leave the GPU to the next side.
         for model in (drafter, models.drafter, models.target_head):
             model.cpu()

@@ -290,14 +290,17 @@ def _cudnn_attention_runs_on(device: torch.device) -> bool:
 
 
 def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    """Causal attention over one [T, T] block: out [B, nh, T, D], lse fp32 [B, nh, T], and what backward needs."""
+    """Causal attention over one [T, T] block: out [B, nh, T, D], lse fp32 [B, nh, T], and what backward needs.
+    key, value [B, nkv, T, D]: each serves G = nh // nkv query heads."""
     kernel = causal_block_kernel(query)
+    G = query.shape[1] // key.shape[1]
     if kernel == "cudnn":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            query, key, value, None, True, 0.0, True, False, scale=scale
-        )
-        # cuDNN's logsumexp may carry a trailing unit dimension: backward gets it back in the shape forward gave
-        return out, lse.reshape(query.shape[:3]), (kernel, lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+        grouped = G == 1 or (CUDNN_GROUPED_HEADS and _cudnn_takes_grouped_heads(query.device))
+        if not grouped:
+            key, value = repeat_kv(key, G), repeat_kv(value, G)
+        out, lse, state = _cudnn_forward(query, key, value, scale)
+        return out, lse, (kernel, grouped, *state)
+    key, value = repeat_kv(key, G), repeat_kv(value, G)
     if kernel == "flash":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, True, False, scale=scale
@@ -310,35 +313,107 @@ def _causal_block_forward(query: Tensor, key: Tensor, value: Tensor, scale: floa
 def _causal_block_backward(
     grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, scale: float, state: tuple
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of query [B, nh, T, D], key and value [B, nkv, T, D] (a key-value head's G query heads add up)."""
     kernel, *kept = state  # what `_causal_block_forward` returned for backward
+    nkv, G = key.shape[1], query.shape[1] // key.shape[1]
     if kernel == "cudnn":
-        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = kept
-        # out and grad_out in one (contiguous) layout: cuDNN's backward wants the two alike
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out.contiguous(),
+        grouped, *cudnn_state = kept
+        if not grouped:
+            key, value = repeat_kv(key, G), repeat_kv(value, G)
+        grads = _cudnn_backward(grad_out, query, key, value, out, lse, scale, tuple(cudnn_state))
+    elif kernel == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = kept
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out,
             query,
-            key,
-            value,
-            out.contiguous(),
-            lse.contiguous().view(lse_shape),
-            seed,
-            offset,
-            None,
+            repeat_kv(key, G),
+            repeat_kv(value, G),
+            out,
+            lse,
             cum_q,
             cum_k,
             max_q,
             max_k,
             0.0,
             True,
+            seed,
+            offset,
             scale=scale,
         )
-    if kernel == "flash":
-        cum_q, cum_k, max_q, max_k, seed, offset = kept
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+    else:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, repeat_kv(key, G), repeat_kv(value, G), out, lse, 0.0, True, scale=scale
         )
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, query, key, value, out, lse, 0.0, True, scale=scale
+    grad_query, grad_key, grad_value = grads
+    return grad_query, _sum_query_groups(grad_key, nkv), _sum_query_groups(grad_value, nkv)
+
+
+def _sum_query_groups(grad: Tensor, num_kv_heads: int) -> Tensor:
+    """[B, nh, T, D] gradients of repeated key-value heads -> [B, nkv, T, D]; as they are where already per kv head."""
+    return grad if grad.shape[1] == num_kv_heads else grad.unflatten(1, (num_kv_heads, -1)).sum(2)
+
+
+def _cudnn_forward(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, None, True, 0.0, True, False, scale=scale
+    )
+    # cuDNN's logsumexp may carry a trailing unit dimension: backward gets it back in the shape forward gave
+    return out, lse.reshape(query.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(
+    grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, scale: float, state: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
+    # out and grad_out in one (contiguous) layout: cuDNN's backward wants the two alike
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out.contiguous(),
+        query,
+        key,
+        value,
+        out.contiguous(),
+        lse.contiguous().view(lse_shape),
+        seed,
+        offset,
+        None,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        True,
+        scale=scale,
+    )
+
+
+# cuDNN's fused attention reads fewer key-value heads than query heads (GQA) as they are, where this torch and cuDNN
+# take them: no copies of step 0's keys and values G times in forward and backward, and no sum of the G copies'
+# gradients. False repeats them as the flash kernel needs.
+CUDNN_GROUPED_HEADS = True
+
+
+@functools.cache
+def _cudnn_takes_grouped_heads(device: torch.device) -> bool:
+    """Tried once per device, forward and backward on small bf16 inputs with 2 query heads a key-value head, against
+    the same kernel on repeated heads: a torch or cuDNN that refuses the shapes, or computes them otherwise, keeps
+    the repeated heads."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    query, key, value, grad_out = (
+        torch.randn(1, heads, 64, 64, device=device, dtype=torch.bfloat16, generator=generator)
+        for heads in (4, 2, 2, 4)
+    )
+    scale = 0.125
+    results = []
+    try:
+        for k, v in ((key, value), (repeat_kv(key, 2), repeat_kv(value, 2))):
+            out, lse, state = _cudnn_forward(query, k, v, scale)
+            grads = _cudnn_backward(grad_out, query, k, v, out, lse, scale, state)
+            results.append((out, *(_sum_query_groups(g.float(), 2) for g in grads[1:]), grads[0]))
+    except RuntimeError:
+        return False
+    return all(
+        got.shape == expected.shape and torch.allclose(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        for got, expected in zip(*results, strict=True)
     )
 
 
@@ -448,10 +523,7 @@ class _TTTAttention(torch.autograd.Function):
             # steps = keys[0..i] then values[0..i], each (B, nkv, T, D); query (B, nh, T, D); G = nh // nkv
             num_steps = len(steps) // 2
             keys, values = steps[:num_steps], steps[num_steps:]
-            G = query.shape[1] // keys[0].shape[1]
-            out, lse, state = _causal_block_forward(
-                query, repeat_kv(keys[0], G), repeat_kv(values[0], G), scale
-            )  # (B, nh, T, D), (B, nh, T)
+            out, lse, state = _causal_block_forward(query, keys[0], values[0], scale)  # (B, nh, T, D), (B, nh, T)
             lse = lse.contiguous()
             if num_steps > 1:
                 merge_forward, _ = _merges(query)
@@ -467,15 +539,12 @@ class _TTTAttention(torch.autograd.Function):
         with torch.autocast(grad_out.device.type, enabled=False):
             query, out, lse, *steps = ctx.saved_tensors
             keys, values = steps[: ctx.num_steps], steps[ctx.num_steps :]
-            nkv = keys[0].shape[1]
-            G = query.shape[1] // nkv
             grad_out = grad_out.contiguous()
             # Step 0's block: the flash backward, handed the merged out and lse (see the note above the class).
             grad_query, grad_key0, grad_value0 = _causal_block_backward(
-                grad_out, query, repeat_kv(keys[0], G), repeat_kv(values[0], G), out, lse, ctx.scale, ctx.state
+                grad_out, query, keys[0], values[0], out, lse, ctx.scale, ctx.state
             )
-            grad_keys = [grad_key0.unflatten(1, (nkv, G)).sum(2)]  # (B, nkv, T, D): a kv head's G query heads add up
-            grad_values = [grad_value0.unflatten(1, (nkv, G)).sum(2)]
+            grad_keys, grad_values = [grad_key0], [grad_value0]  # (B, nkv, T, D) each
             if ctx.num_steps > 1:
                 _, merge_backward = _merges(query)
                 later_keys, later_values = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)

@@ -132,6 +132,32 @@ LOSS_IMPLEMENTATIONS = ("eager", "fused")
 # Rows of logits computed at once by the teacher and by the fused head: 2**28 elements, 512 MiB of bf16 logits.
 HEAD_CHUNK_ELEMENTS = 2**28
 
+# On CUDA, bf16 (or fp16) matmuls whose product is summed into an fp32 tensor by cuBLAS itself (`out_dtype`); False
+# sums as written, a low-precision product added to the fp32 total.
+SUM_IN_FP32_ON_CUDA = True
+
+
+def matmul_sums_in_fp32(a: Tensor, b: Tensor) -> bool:
+    """Whether `a @ b` can be summed into an fp32 tensor by the matmul itself: low-precision CUDA inputs, where this
+    torch's cuBLAS path takes an fp32 output (`_fp32_sums_work`)."""
+    low_precision = a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype
+    return SUM_IN_FP32_ON_CUDA and a.is_cuda and low_precision and _fp32_sums_work(a.device, a.dtype)
+
+
+@functools.cache
+def _fp32_sums_work(device: torch.device, dtype: torch.dtype) -> bool:
+    """Tried once per device and dtype on small matrices, into the total itself as the head uses it: torch builds
+    without the fp32-output matmul (or a cuBLAS that refuses it) keep the written-out sum."""
+    a = torch.arange(12, device=device, dtype=torch.float32).view(3, 4).div(7)
+    b = torch.arange(20, device=device, dtype=torch.float32).view(4, 5).div(11)
+    try:
+        total = torch.mm(a.to(dtype), b.to(dtype), out_dtype=torch.float32)
+        torch.addmm(total, a.to(dtype), b.to(dtype), out_dtype=torch.float32, out=total)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    expected = 2 * (a.to(dtype).float() @ b.to(dtype).float())
+    return total.dtype == torch.float32 and bool(torch.allclose(total, expected, rtol=1e-5, atol=1e-5))
+
 
 class HeadGradient:
     """The drafter lm_head weight's gradient of one TTT loss, summed over its unrolled steps as their forwards compute
@@ -141,11 +167,20 @@ class HeadGradient:
         self.total: Tensor | None = None
         self.factor: Tensor | None = None  # the loss's factor from the first backward (1, or the caller's scale)
 
-    def add(self, grad_weight: Tensor) -> None:
+    def add(self, grad_logits: Tensor, hidden: Tensor) -> None:
+        """total += grad_logits^T @ hidden, (V_draft, n) x (n, H). On CUDA the matmul sums into the fp32 total itself
+        (`matmul_sums_in_fp32`): no bf16 product of the head's size to write, read back and add, 0.4 ms a step at
+        8B dims, and the steps' terms add up unrounded."""
+        product = grad_logits.T
         if self.total is None:
-            self.total = grad_weight.float()
+            if matmul_sums_in_fp32(product, hidden):
+                self.total = torch.mm(product, hidden, out_dtype=torch.float32)
+            else:
+                self.total = (product @ hidden).float()
+        elif matmul_sums_in_fp32(product, hidden):
+            torch.addmm(self.total, product, hidden, out_dtype=torch.float32, out=self.total)
         else:
-            self.total += grad_weight
+            self.total += product @ hidden
 
     def take(self, factor: Tensor) -> Tensor | None:
         """The sum times the caller's factor on the loss, once; None after. Every step's term must enter the loss
@@ -174,13 +209,15 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
+        compute_weight: Tensor,
         teacher_p: Tensor,
         learnable: Tensor,
         scale: Tensor,
         head_gradient: HeadGradient,
     ) -> tuple[Tensor, Tensor]:
-        # hidden (B, R, H) normed, in the compute dtype; weight (V_draft, H), the fp32 master under autocast.
-        w = weight.to(hidden.dtype)
+        # hidden (B, R, H) normed, in the compute dtype; weight (V_draft, H), the fp32 master under autocast, whose
+        # gradient this returns; compute_weight the same in hidden's dtype, cast once for all the steps of a loss.
+        w = compute_weight
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         argmax = torch.empty(hidden.shape[:2], dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
@@ -193,7 +230,7 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
             )
             total += block_total
             grad_hidden[block] = grad_logits @ w
-            head_gradient.add(grad_logits.flatten(0, 1).T @ h.flatten(0, 1))
+            head_gradient.add(grad_logits.flatten(0, 1), h.flatten(0, 1))
         ctx.save_for_backward(grad_hidden)
         ctx.head_gradient = head_gradient
         ctx.mark_non_differentiable(argmax)
@@ -204,7 +241,7 @@ class _HeadSoftCrossEntropy(torch.autograd.Function):
         (grad_hidden,) = ctx.saved_tensors
         grad_weight = ctx.head_gradient.take(grad_total)
         # The factor (fp32) multiplies the product, not the low-precision gradient.
-        return (grad_hidden.float() * grad_total).to(grad_hidden.dtype), grad_weight, None, None, None, None
+        return (grad_hidden.float() * grad_total).to(grad_hidden.dtype), grad_weight, None, None, None, None, None
 
 
 def _row_blocks(batch: int, rows: int, *, rows_at_once: int) -> Iterator[tuple[slice, slice]]:
@@ -223,11 +260,19 @@ def _row_blocks(batch: int, rows: int, *, rows_at_once: int) -> Iterator[tuple[s
 
 
 def head_soft_cross_entropy(
-    drafter: Eagle3Drafter, hidden: Tensor, teacher_p: Tensor, learnable: Tensor, scale: Tensor, gradient: HeadGradient
+    drafter: Eagle3Drafter,
+    hidden: Tensor,
+    head_weight: Tensor,
+    teacher_p: Tensor,
+    learnable: Tensor,
+    scale: Tensor,
+    gradient: HeadGradient,
 ) -> tuple[Tensor, Tensor]:
-    """`scale` * `soft_cross_entropy(drafter.compute_logits(hidden), ...)`, its gradients taken in forward."""
+    """`scale` * `soft_cross_entropy(drafter.compute_logits(hidden), ...)`, its gradients taken in forward.
+    head_weight: lm_head's weight as the matmuls read it (`autocast_input` of it, detached), one copy for every step."""
     normed = autocast_input(drafter.norm(hidden))
-    return _HeadSoftCrossEntropy.apply(normed, drafter.lm_head.weight, teacher_p, learnable, scale, gradient)
+    weight = drafter.lm_head.weight
+    return _HeadSoftCrossEntropy.apply(normed, weight, head_weight, teacher_p, learnable, scale, gradient)
 
 
 def soft_cross_entropy_kernel(logits: Tensor) -> Callable:
@@ -253,19 +298,28 @@ def teacher(target_head: TargetHead, hidden_rows: Tensor, draft_vocab: Tensor) -
     return tokens, p
 
 
-def live_rows(predictable: Tensor, ttt_length: int) -> list[Tensor]:
+# A step's MLP skips the rows no counted prediction needs only where they are at least this share of its rows:
+# gathering the others and adding the MLP's output back (and both in backward) cost about what the MLP costs on 6% of
+# the rows at 8B dims on an H100 (docs/benchmarks.md). A batch where every token is learned leaves 2 + i rows of each
+# sequence at step i, too few to be worth it.
+MIN_SKIPPED_ROWS = 1 / 16
+
+
+def live_rows(predictable: Tensor, ttt_length: int) -> list[Tensor | None]:
     """Per unrolled step i, the rows (flat indices into B x T) whose output a counted prediction needs: row t predicts
     token t+2+j at step j, and its state at step i feeds only its own row's later steps (the TTT mask shares step 0's
     keys and values alone, read before the MLP), so it is needed iff one of tokens t+2+i .. t+1+ttt_length counts.
-    Fewer rows every step; prompts and padding need none. One host sync a step, all before the steps run."""
+    Fewer rows every step; prompts and padding need none. None for a step where fewer than `MIN_SKIPPED_ROWS` of the
+    rows are not needed: every row's, then. One host sync a step, all before the steps run."""
     B, T = predictable.shape
     ahead = torch.zeros(B, T + ttt_length + 2, dtype=torch.bool, device=predictable.device)  # none past the end
     ahead[:, :T] = predictable
     needed = torch.zeros_like(ahead[:, :T])
-    rows: list[Tensor] = []
+    rows: list[Tensor | None] = []
     for i in reversed(range(ttt_length)):
         needed = needed | ahead[:, 2 + i : 2 + i + T]  # (B, T) rows with a counted prediction at step i or later
-        rows.append(needed.flatten().nonzero().squeeze(1))
+        step_rows = needed.flatten().nonzero().squeeze(1)
+        rows.append(step_rows if B * T - step_rows.numel() >= MIN_SKIPPED_ROWS * B * T else None)
     return rows[::-1]
 
 
@@ -327,6 +381,8 @@ def ttt_loss(
     zero = torch.zeros((), device=device)
     terms, step_correct, step_counted = [zero] * ttt_length, [zero] * ttt_length, [zero] * ttt_length
     head_gradient = HeadGradient() if fused_head else None
+    # lm_head's weight in the compute dtype, cast once for the steps (a cast a step was 0.3 ms at 8B dims on an H100)
+    head_weight = autocast_input(drafter.lm_head.weight.detach()) if fused_head else None
     for i in range(ttt_length):
         rows = T - 2 - i  # rows t whose predicted token x_{t+2+i} lies inside the sequence
         if rows <= 0:  # the sequence ends before this step reaches anything; so do all later steps
@@ -352,8 +408,9 @@ def ttt_loss(
             step_counted[i] = counted.sum()
             step_weight = step_decay**i / step_counted[i].clamp(min=1)
             counted_hidden = hidden[predicted_batch, row.clamp(min=0)]  # (n, H)
+            assert head_weight is not None  # set with head_gradient
             terms[i], proposed = head_soft_cross_entropy(
-                drafter, counted_hidden[None], target_p[None], learnable[None], step_weight, head_gradient
+                drafter, counted_hidden[None], head_weight, target_p[None], learnable[None], step_weight, head_gradient
             )
             with torch.no_grad():
                 proposed = drafter.draft_to_target(proposed[0])  # (n,)

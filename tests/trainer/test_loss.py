@@ -22,8 +22,10 @@ from services.trainer.drafter import (
 )
 from services.trainer.loss import (
     LOSS_IMPLEMENTATIONS,
+    MIN_SKIPPED_ROWS,
     Batch,
     _row_blocks,
+    live_rows,
     soft_cross_entropy,
     soft_cross_entropy_kernel,
     ttt_loss,
@@ -346,6 +348,24 @@ def test_rows_no_counted_prediction_needs_skip_the_mlp(
         assert len(mlp_rows) == steps and all(rows == B for rows in mlp_rows)  # (B, T, H): dim 0 is the batch
     finally:
         hook.remove()
+
+
+def test_a_step_skips_rows_only_where_enough_of_them_need_no_output() -> None:
+    """Where every token is learned, step i leaves the last 2 + i rows of a sequence without a counted prediction:
+    at 64 tokens fewer than MIN_SKIPPED_ROWS (1/16, 4 rows) at steps 0 and 1, whose MLP takes every row (None), and
+    enough from step 2 on. A prompt of half the sequence is skipped at every step."""
+    T, steps = 64, 7
+    assert MIN_SKIPPED_ROWS == 1 / 16
+    learned = torch.ones(1, T, dtype=torch.bool)
+    rows = live_rows(learned, steps)
+    assert [r is None for r in rows] == [True, True, False, False, False, False, False]
+    for i, step_rows in enumerate(rows[2:], start=2):
+        assert step_rows is not None and step_rows.tolist() == list(range(T - 2 - i))
+
+    prompted = learned.clone()
+    prompted[:, : T // 2] = False  # tokens 0..31 are the prompt: rows from 30 - i on predict the answer at step i
+    for i, step_rows in enumerate(live_rows(prompted, steps)):
+        assert step_rows is not None and step_rows.tolist() == list(range(T // 2 - 2 - (steps - 1), T - 2 - i))
 
 
 def test_a_batch_with_nothing_to_learn_gives_a_zero_loss_on_every_path(
