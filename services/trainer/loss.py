@@ -150,12 +150,13 @@ def _fp32_sums_work(device: torch.device, dtype: torch.dtype) -> bool:
     without the fp32-output matmul (or a cuBLAS that refuses it) keep the written-out sum."""
     a = torch.arange(12, device=device, dtype=torch.float32).view(3, 4).div(7)
     b = torch.arange(20, device=device, dtype=torch.float32).view(4, 5).div(11)
-    try:
-        total = torch.mm(a.to(dtype), b.to(dtype), out_dtype=torch.float32)
-        torch.addmm(total, a.to(dtype), b.to(dtype), out_dtype=torch.float32, out=total)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    expected = 2 * (a.to(dtype).float() @ b.to(dtype).float())
+    with torch.autocast(device.type, enabled=False):  # the head asks from under autocast
+        try:
+            total = torch.mm(a.to(dtype), b.to(dtype), out_dtype=torch.float32)
+            torch.addmm(total, a.to(dtype), b.to(dtype), out_dtype=torch.float32, out=total)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return False
+        expected = 2 * (a.to(dtype).float() @ b.to(dtype).float())
     return total.dtype == torch.float32 and bool(torch.allclose(total, expected, rtol=1e-5, atol=1e-5))
 
 
