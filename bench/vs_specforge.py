@@ -302,8 +302,6 @@ class OursVariant:
     head_sums_in_fp32: bool | None = None
     # the least share of a step's rows the MLP skips (None: `loss.MIN_SKIPPED_ROWS` as it is; 0: any)
     min_skipped_rows: float | None = None
-    # the teacher's gather, softmax and store compiled on CUDA (None: `loss.COMPILE_TEACHER_ON_CUDA` as it is)
-    compiled_teacher: bool | None = None
 
 
 # Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
@@ -321,7 +319,6 @@ OURS_VARIANTS = {
     "repeated_kv_heads": OursVariant(cudnn_grouped_heads=False),
     "bf16_head_sums": OursVariant(head_sums_in_fp32=False),
     "mlp_skips_any_row": OursVariant(min_skipped_rows=0.0),
-    "eager_teacher": OursVariant(compiled_teacher=False),
 }
 
 
@@ -346,7 +343,6 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
         (drafter_module, "CUDNN_GROUPED_HEADS", setup.cudnn_grouped_heads),
         (loss_module, "SUM_IN_FP32_ON_CUDA", setup.head_sums_in_fp32),
         (loss_module, "MIN_SKIPPED_ROWS", setup.min_skipped_rows),
-        (loss_module, "COMPILE_TEACHER_ON_CUDA", setup.compiled_teacher),
     ]
     defaults = [getattr(module, name) for module, name, _ in switches]
     for module, name, value in switches:

@@ -291,34 +291,12 @@ def teacher(target_head: TargetHead, hidden_rows: Tensor, draft_vocab: Tensor) -
     tokens = torch.empty(n, dtype=torch.long, device=hidden_rows.device)
     p = torch.empty(n, len(draft_vocab), dtype=torch.float32, device=hidden_rows.device)
     chunk = max(1, HEAD_CHUNK_ELEMENTS // target_head.weight.shape[0])
-    kernel = teacher_rows_kernel(hidden_rows)
     for start in range(0, n, chunk):
         part = slice(start, start + chunk)
-        kernel(target_head(hidden_rows[part]), draft_vocab, tokens[part], p[part])  # logits (rows, V_target)
+        target_logits = target_head(hidden_rows[part])  # (rows, V_target)
+        tokens[part] = target_logits.argmax(-1)
+        p[part] = target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32)
     return tokens, p
-
-
-def teacher_rows_into(target_logits: Tensor, draft_vocab: Tensor, tokens: Tensor, p: Tensor) -> None:
-    """Into `tokens` (rows,) the target's argmax over its whole vocabulary, into `p` (rows, V_draft) its fp32 softmax
-    over the draft vocabulary's columns of `target_logits` (rows, V_target)."""
-    tokens.copy_(target_logits.argmax(-1))
-    p.copy_(target_logits.index_select(-1, draft_vocab).softmax(-1, dtype=torch.float32))
-
-
-# On CUDA `teacher_rows_into` is compiled: the draft columns' gather, softmax and store are one pass that writes the
-# teacher's rows in place, where as written each is a tensor of its own (the chunk's draft logits, their softmax, the
-# copy into `p`). False runs it as written on CUDA too.
-COMPILE_TEACHER_ON_CUDA = True
-
-
-@functools.cache
-def _compiled_teacher_rows_into() -> Callable:
-    return torch.compile(teacher_rows_into, dynamic=True)  # dynamic: the rows vary with every batch
-
-
-def teacher_rows_kernel(x: Tensor) -> Callable:
-    """`teacher_rows_into` for tensors like `x`: compiled on CUDA, as written elsewhere."""
-    return _compiled_teacher_rows_into() if x.is_cuda and COMPILE_TEACHER_ON_CUDA else teacher_rows_into
 
 
 # A step's MLP skips the rows no counted prediction needs only where they are at least this share of its rows:

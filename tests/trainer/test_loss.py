@@ -28,7 +28,6 @@ from services.trainer.loss import (
     live_rows,
     soft_cross_entropy,
     soft_cross_entropy_kernel,
-    teacher_rows_into,
     ttt_loss,
     with_token_embeds,
 )
@@ -349,33 +348,6 @@ def test_rows_no_counted_prediction_needs_skip_the_mlp(
         assert len(mlp_rows) == steps and all(rows == B for rows in mlp_rows)  # (B, T, H): dim 0 is the batch
     finally:
         hook.remove()
-
-
-@pytest.mark.parametrize(
-    ("device", "backend"),
-    [
-        ("cpu", "aot_eager"),  # the compiled form's graph, traced without a C++ or GPU compiler
-        pytest.param("cuda", "inductor", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
-    ],
-)
-def test_the_compiled_teacher_writes_what_the_written_one_does(device: str, backend: str) -> None:
-    """The teacher's rows as `teacher` takes them on CUDA (compiled, writing into slices of its outputs) against
-    `teacher_rows_into` as written: the same argmax over the whole vocabulary, the same draft-vocabulary softmax."""
-    generator = torch.Generator().manual_seed(0)
-    logits = (torch.randn(2 * 37, 1000, generator=generator) * 4).to(torch.bfloat16).to(device)
-    draft_vocab = torch.randperm(1000, generator=generator)[:300].sort().values.to(device)
-    compiled = torch.compile(teacher_rows_into, backend=backend, dynamic=True)
-    results = []
-    for kernel in (teacher_rows_into, compiled):
-        tokens = torch.full((2 * 37,), -1, dtype=torch.long, device=device)
-        p = torch.full((2 * 37, 300), -1.0, device=device)
-        for part in (slice(0, 37), slice(37, 74)):  # two chunks, as `teacher` writes them
-            kernel(logits[part], draft_vocab, tokens[part], p[part])
-        results.append((tokens, p))
-    (expected_tokens, expected_p), (tokens, p) = results
-    assert torch.equal(tokens, expected_tokens)
-    torch.testing.assert_close(p, expected_p, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(p.sum(-1), torch.ones(2 * 37, device=device))
 
 
 def test_a_step_skips_rows_only_where_enough_of_them_need_no_output() -> None:
