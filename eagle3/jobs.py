@@ -234,7 +234,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> None:
     out = Console(stderr=True) if args.json else console  # --json: stdout holds the report alone
     with api_client(settings) as api:
         record = check(api.post("/v1/jobs", json=spec))["job"]
-        backend = spec.get("audit_backend_url") or "the workers' own server"
+        backend = record["spec"].get("audit_backend_url") or "the reference server"
         out.print(
             f"submitted audit [bold]{record['job_id']}[/] of {args.source_job_id}: {record['samples_total']} samples "
             f"recomputed by {backend}"
@@ -272,7 +272,8 @@ def audit_table(report: dict) -> Table:
         title=f"audit {report['audit_job_id']} of {report['source_job_id']}: {verdict}, "
         f"{report['samples_checked']} samples checked, {report['samples_failed']} failed",
         caption=f"relative error per token (RMS); tolerances ({report['storage_dtype']}): aux {limits['aux']}, "
-        f"final {limits['final']}; recomputed by {report['backend'].get('backend')} at {report['backend'].get('url')}",
+        f"final {limits['final']}; recomputed by {report['backend'].get('backend')} at {report['backend'].get('url')}"
+        + independence(report),
     )
     table.add_column("layer")
     table.add_column("median", justify="right")
@@ -282,6 +283,18 @@ def audit_table(report: dict) -> Table:
     for failure in report["failures"]:
         table.add_row(f"[red]{failure['sample_id']}[/]", "", "; ".join(failure["reasons"]))
     return table
+
+
+def independence(report: dict) -> str:
+    """What the audit's backend says about the extracting one: a check by the same kind of server is no check of it."""
+    source = report.get("source_backend") or {}
+    if report.get("independent") is False:
+        return (
+            f"\n[yellow]the same kind of server ({source.get('backend')}) extracted these states: a defect of that "
+            "server itself is not caught (--backend reference, with EAGLE3_REFERENCE_URL set, recomputes with the "
+            "transformers reference server)[/]"
+        )
+    return f"; extracted by {source['backend']} {source.get('version', '')}" if source else ""
 
 
 def watch_regeneration(record: dict, api: httpx.Client, *, watch_it: bool) -> None:

@@ -55,6 +55,12 @@ class Settings(BaseSettings):
 
     # Inference
     inference_url: str = "http://127.0.0.1:30000"
+    reference_url: str | None = Field(
+        default=None,
+        description="the transformers reference server (services/inference/reference) an audit recomputes with when "
+        "it names no backend: where the workers capture through SGLang, one beside it makes audits independent; "
+        "unset: the workers' own server (EAGLE3_INFERENCE_URL)",
+    )
     inference_timeout_s: float = Field(
         default=300.0, gt=0, description="per request: a slow prefill or decode of a server that answers /health"
     )

@@ -245,6 +245,9 @@ class Manifest(BaseModel):
     num_tokens: int
     loss_tokens: int
     bytes: int
+    # the server that captured: backend and version from /get_model_info (an audit says whether it recomputed with
+    # another); empty in manifests written before it was recorded
+    server: dict[str, Any] = Field(default_factory=dict)
     # Stamped by the shard lifecycle (shared/lifecycle/shards.py) just before the commit.
     worker: str = ""
     started_at: str = ""

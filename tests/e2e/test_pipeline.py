@@ -197,6 +197,9 @@ def test_eagle3_audit_passes_a_clean_job_flags_a_corrupted_one_and_the_trainer_w
     assert clean.returncode == 0, clean.stderr[-2000:]
     report = json.loads(clean.stdout)
     assert report["passed"] and report["samples_checked"] == job["samples_total"]
+    # the reference server extracted and recomputed: the table says that is no check of the server itself
+    assert report["source_backend"]["backend"] == report["backend"]["backend"] == "reference"
+    assert report["independent"] is False
 
     manifest = deployment.manifests(job["job_id"])[0]
     entry = manifest.samples[0]
@@ -215,6 +218,9 @@ def test_eagle3_audit_passes_a_clean_job_flags_a_corrupted_one_and_the_trainer_w
     (failure,) = report["failures"]
     assert failure["sample_id"] == entry.sample_id and "final state: relative error" in failure["reasons"][0]
     assert deployment.api.get(f"/v1/jobs/{job['job_id']}/audit").json()["passed"] is False
+    verdict = deployment.api.get(f"/v1/jobs/{job['job_id']}").json()["audit"]  # the job's record carries it
+    assert (verdict["audit_job_id"], verdict["passed"]) == (report["audit_job_id"], False)
+    assert (verdict["samples_checked"], verdict["samples_failed"]) == (job["samples_total"], 1)
 
     train = [sys.executable, "-m", "eagle3", "train", "--job", job["job_id"], "--max-steps", "1", "--device", "cpu"]
     refused = subprocess.run([*train, "--require-audit"], env=env, capture_output=True, text=True, timeout=300)

@@ -102,6 +102,9 @@ def test_a_clean_job_passes_with_every_sample_checked(
     assert report.passed and report.samples_checked == job.samples_total and report.samples_failed == 0
     assert [layer.name for layer in report.layers][-1] == "final"
     assert all(layer.worst is not None and layer.worst <= 0.05 for layer in report.layers)
+    # each extraction manifest names the server that captured; the report compares it with the one that recomputed
+    assert report.source_backend["backend"] == report.backend["backend"] == "reference"
+    assert report.independent is False
 
 
 def test_corrupted_samples_are_flagged_by_sample_and_defect(

@@ -150,3 +150,23 @@ def test_a_kind_without_its_declarations_is_refused_when_registered() -> None:
         registry([Summarize()])
     with pytest.raises(TypeError, match="job kind 'extract' is declared twice"):
         registry([Extract(), Extract()])
+
+
+def test_an_audit_backend_is_the_reference_server_or_a_url() -> None:
+    """`--backend reference` (or none) leaves the choice to the worker: EAGLE3_REFERENCE_URL, else its own server;
+    anything but an http(s) URL is refused at submit, naming the field."""
+    from shared.lifecycle.kinds.audit import backend_url
+    from shared.settings import Settings
+
+    def spec(backend: str | None) -> JobSpec:
+        return JobSpec(kind="audit", source_job_id="20260101-000000-abcd", audit_backend_url=backend)
+
+    workers = Settings(inference_url="http://sglang:30000")
+    beside = Settings(inference_url="http://sglang:30000", reference_url="http://reference:30000")
+    for backend in (None, "reference"):
+        assert spec(backend).model_dump()["audit_backend_url"] is None
+        assert backend_url(spec(backend), workers) == "http://sglang:30000"
+        assert backend_url(spec(backend), beside) == "http://reference:30000"
+    assert backend_url(spec("https://other:8443"), beside) == "https://other:8443"
+    with pytest.raises(ValidationError, match=r"audit_backend_url\n.*'sglang:30000': 'reference' or a capture"):
+        spec("sglang:30000")

@@ -18,7 +18,7 @@ from services.producer.deps import (
 from shared import access
 from shared.errors import JobExists, JobNotFound
 from shared.lifecycle import budget, deletion, jobs, progress
-from shared.lifecycle.kinds import AUDIT, kind_of
+from shared.lifecycle.kinds import AUDIT, AuditVerdict, kind_of
 from shared.lifecycle.schemas import FailedConversation, JobRecord, JobSpec, Progress, RejectedSample
 from shared.storage import layout
 
@@ -28,6 +28,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 class JobPublic(BaseModel):
     job: JobRecord
     progress: Progress
+    audit: AuditVerdict | None = None  # the job's last audit (`eagle3 audit`), if it had one
 
 
 def _submit(
@@ -136,7 +137,8 @@ def delete_job(
 
 @router.get("/{job_id}", dependencies=[Authorized])
 def get_job(job_id: JobIdPath, settings: SettingsDep, storage: StorageDep, client: RedisDep) -> JobPublic:
-    return JobPublic(job=jobs.load_job(storage, job_id), progress=_progress(job_id, settings, client))
+    job = jobs.load_job(storage, job_id)
+    return JobPublic(job=job, progress=_progress(job_id, settings, client), audit=AUDIT.last_verdict(storage, job_id))
 
 
 @router.get("/{job_id}/progress")

@@ -4,7 +4,7 @@ from collections.abc import Iterable
 
 from shared.errors import SubmitError
 from shared.lifecycle.kind import JobKind
-from shared.lifecycle.kinds.audit import Audit
+from shared.lifecycle.kinds.audit import Audit, AuditVerdict
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.kinds.regenerate import Regenerate
 from shared.lifecycle.progress import KIND_PROGRESS
@@ -37,10 +37,11 @@ def register(kinds: dict[str, JobKind]) -> None:
     KIND_PROGRESS.update({name: kind.progress for name, kind in kinds.items()})
 
 
-AUDIT = Audit()  # also asked for a job's last audit (last_report)
+AUDIT = Audit()  # also asked for a job's last audit (last_report, last_verdict: an AuditVerdict)
 KINDS = registry((Extract(), Regenerate(), AUDIT))
 register(KINDS)
 EXTRACT, REGENERATE = KINDS["extract"], KINDS["regenerate"]
+__all__ = ["AUDIT", "EXTRACT", "KINDS", "REGENERATE", "AuditVerdict", "kind_of", "register", "registry"]
 
 
 def kind_of(name: str) -> JobKind:

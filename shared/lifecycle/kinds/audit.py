@@ -18,7 +18,7 @@ import statistics
 from typing import Any, ClassVar, Literal
 
 import redis
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from shared.access import JOB_ID_PATTERN
 from shared.capture.client import InferenceClient
@@ -132,7 +132,10 @@ class AuditReport(BaseModel):
     source_job_id: str
     audit_job_id: str
     finished_at: str
-    backend: dict[str, Any]
+    backend: dict[str, Any]  # what recomputed: url (redacted), backend, version
+    source_backend: dict[str, Any] = Field(default_factory=dict)  # what extracted (the source's first manifest)
+    # a backend of another kind than the one that extracted: a defect of the extracting server itself is caught
+    independent: bool | None = None
     storage_dtype: str
     tolerances: FieldTolerances
     aux_layer_ids: list[int]
@@ -150,17 +153,36 @@ class AuditOptions(KindOptions):
     audit_samples: int | None = Field(default=None, ge=1, description="samples to check (default 32)")
     audit_fraction: float | None = Field(default=None, gt=0, le=1, description="or this share of the job's samples")
     audit_backend_url: str | None = Field(
-        default=None, description="the capture server that recomputes (default: the workers' own, EAGLE3_INFERENCE_URL)"
+        default=None,
+        description="the capture server that recomputes, an http(s) URL; 'reference' or none: the transformers "
+        "reference server (EAGLE3_REFERENCE_URL, else the workers' own server)",
     )
     audit_tolerance_aux: float | None = Field(default=None, gt=0, description="allowed relative error of an aux layer")
     audit_tolerance_final: float | None = Field(default=None, gt=0, description="allowed relative error, final state")
     seed: int | None = Field(default=None, description="which samples (default 0)")
+
+    @field_validator("audit_backend_url")
+    @classmethod
+    def _backend(cls, value: str | None) -> str | None:
+        if value is None or value == REFERENCE_BACKEND:
+            return None  # the reference server, resolved by the worker that runs the shard (`backend_url`)
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r}: '{REFERENCE_BACKEND}' or a capture server's http(s) URL")
+        return value
 
     @model_validator(mode="after")
     def _one_size(self) -> "AuditOptions":
         if self.audit_samples is not None and self.audit_fraction is not None:
             raise ValueError("audit_samples and audit_fraction: give one or the other")
         return self
+
+
+REFERENCE_BACKEND = "reference"
+
+
+def backend_url(spec: JobSpec, settings: Settings) -> str:
+    """The server that recomputes an audit's samples: the job's URL, else the reference server's, else the workers'."""
+    return AuditOptions.of(spec).audit_backend_url or settings.reference_url or settings.inference_url
 
 
 def tolerances_of(spec: JobSpec) -> Tolerances:
@@ -276,7 +298,7 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
         return {}  # one client per backend URL, made when a job first needs it
 
     def prepare(self, ctx: ShardContext, state: dict[str, InferenceClient], job: JobRecord) -> InferenceClient:
-        url = AuditOptions.of(job.spec).audit_backend_url or ctx.settings.inference_url
+        url = backend_url(job.spec, ctx.settings)
         if url not in state:
             state[url] = InferenceClient.from_settings(ctx.settings, url)
         client = state[url]
@@ -369,6 +391,26 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
         except ObjectNotFound:
             return None
 
+    def last_verdict(self, storage: Storage, job_id: str) -> "AuditVerdict | None":
+        """The last audit of job `job_id` in brief, None if it was never audited."""
+        report = self.last_report(storage, job_id)
+        return None if report is None else AuditVerdict.of(report)
+
+
+class AuditVerdict(BaseModel):
+    """A job's last audit in brief, as its record shows it (GET /v1/jobs/{id}); the whole report is .../audit."""
+
+    audit_job_id: str
+    finished_at: str
+    passed: bool
+    samples_checked: int
+    samples_failed: int
+    independent: bool | None  # recomputed by a backend of another kind than the one that extracted
+
+    @classmethod
+    def of(cls, report: AuditReport) -> "AuditVerdict":
+        return cls.model_validate(report.model_dump(include=set(cls.model_fields)))
+
 
 def planned_input_ids(storage: Storage, source_job_id: str, shard_indices: set[int]) -> dict[int, list[int]]:
     """sample_index -> the input ids the source job planned, for the samples of these shards."""
@@ -397,6 +439,14 @@ def read_stored(storage: Storage, item: AuditItem) -> tuple[dict[str, Any] | Non
         return None, [f"stored sample {item.key}: not a sample file ({type(exc).__name__}: {exc})"]
 
 
+def extracting_backend(storage: Storage, job_id: str) -> dict[str, Any]:
+    """The server that extracted job `job_id` (backend and version, as its first committed manifest names it)."""
+    for key in storage.list(layout.manifests_prefix(job_id)):
+        server = Manifest.model_validate_json(storage.get(key)).server
+        return {"backend": server["backend"], "version": server.get("version")} if server else {}
+    return {}  # no manifest, or one written before manifests named their server
+
+
 def write_report(storage: Storage, job: JobRecord) -> AuditReport:
     """Every committed shard's results, summed up into the source job's audit report (the last audit wins)."""
     source_job_id = AuditOptions.of(job.spec).source_job_id
@@ -419,11 +469,15 @@ def write_report(storage: Storage, job: JobRecord) -> AuditReport:
             )
         )
     failures = [r for r in results if not r.passed]
+    backend = manifests[0].backend if manifests else {}
+    source_backend = extracting_backend(storage, source_job_id)
     report = AuditReport(
         source_job_id=source_job_id,
         audit_job_id=job.job_id,
         finished_at=utc_now(),
-        backend=manifests[0].backend if manifests else {},
+        backend=backend,
+        source_backend=source_backend,
+        independent=(backend["backend"] != source_backend["backend"]) if backend and source_backend else None,
         storage_dtype=job.spec.storage_dtype,
         tolerances=limits,
         aux_layer_ids=job.aux_layer_ids,

@@ -10,7 +10,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
 
 from shared.capture.client import InferenceClient
 from shared.capture.protocol import CapturedStates
@@ -213,10 +212,13 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
     def open(self, settings: Settings) -> InferenceClient:
         return InferenceClient.from_settings(settings)
 
-    def prepare(self, ctx: ShardContext, state: InferenceClient, job: JobRecord) -> None:
+    def prepare(self, ctx: ShardContext, state: InferenceClient, job: JobRecord) -> dict[str, str]:
+        """The server checked, and named (backend, version) for the shard's manifest."""
         # A GPU server answers 503 for minutes while it compiles kernels; that is a wait, not a failure.
         state.wait_ready(ctx.settings.inference_ready_timeout_s)
-        check_served_model(job, state.model_info(), state.base_url, capture=True)
+        info = state.model_info()
+        check_served_model(job, info, state.base_url, capture=True)
+        return {"backend": info.backend, "version": info.version}
 
     def items(self, shard: ShardInput) -> list[SampleInput]:
         return shard.samples
@@ -231,7 +233,7 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
         self,
         ctx: ShardContext,
         state: InferenceClient,
-        prepared: Any,
+        prepared: dict[str, str],
         job: JobRecord,
         shard: ShardInput,
         pending: list[SampleInput],
@@ -244,7 +246,11 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
         entries = done | {entry.sample_index: entry for entry in written}
         samples = [entries[s.sample_index] for s in shard.samples]
         return Manifest.of(
-            job, shard.shard_index, samples, timings_s={"capture_and_write": round(time.monotonic() - started, 4)}
+            job,
+            shard.shard_index,
+            samples,
+            server=prepared,
+            timings_s={"capture_and_write": round(time.monotonic() - started, 4)},
         )
 
     def shard_size(self, shard: ShardInput) -> tuple[int, int]:
