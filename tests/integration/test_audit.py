@@ -12,6 +12,7 @@ from shared.errors import SubmitError
 from shared.lifecycle import jobs, shards
 from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import AUDIT, EXTRACT
+from shared.lifecycle.kinds.audit import report_key
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample
 from shared.settings import Settings
 from shared.storage import layout
@@ -189,3 +190,20 @@ def test_the_selection_is_seeded_and_an_audit_names_a_real_extraction_job(
             client=redis.Redis.from_url(redis_url),
             enqueue=lambda *task: None,
         )
+
+
+def test_a_resume_rewrites_a_report_an_earlier_audit_left_in_place(
+    extracted: tuple, redis_url: str, reference_server_url: str
+) -> None:
+    """A second audit whose report write was lost (the source still holding the first audit's report) is not done: a
+    resume sends its last shard again, whose task writes the report; with its own report in place there is nothing
+    to resend."""
+    job, storage, settings = extracted
+    first = audit(job, storage, settings, redis_url, reference_server_url, audit_samples=2)
+    second = audit(job, storage, settings, redis_url, reference_server_url, audit_samples=2, seed=1)
+    second_job = jobs.load_job(storage, second.audit_job_id)
+    client = redis.Redis.from_url(redis_url)
+    assert AUDIT.after_resume(storage, client, second_job, []) == []
+    storage.put(report_key(job.job_id), first.model_dump_json().encode())  # the second audit's write lost
+    assert AUDIT.after_resume(storage, client, second_job, []) == [second_job.shards_total - 1]
+    assert AUDIT.after_resume(storage, client, second_job, [0]) == []  # shards still to run write it when they end

@@ -411,6 +411,7 @@ def test_a_job_that_does_not_exist_gets_one_answer_on_every_route(api: Api, job:
         ("GET", "/v1/jobs/job-none/progress"),
         ("GET", "/v1/jobs/job-none/rejected"),
         ("GET", "/v1/jobs/job-none/failed"),
+        ("GET", "/v1/jobs/job-none/audit"),
         ("POST", "/v1/jobs/job-none/cancel"),
         ("POST", "/v1/jobs/job-none/resume"),
         ("GET", "/v1/jobs/job-none/details"),

@@ -375,8 +375,11 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
             write_report(ctx.storage, job)
 
     def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
-        if not pending and not storage.exists(report_key(AuditOptions.of(job.spec).source_job_id or "")):
-            return [job.shards_total - 1]  # every shard committed, the report not written: the task writes it
+        report = self.last_report(storage, AuditOptions.of(job.spec).source_job_id or "")
+        if not pending and (report is None or report.audit_job_id != job.job_id):
+            # every shard committed, this audit's report not written (none, or an earlier audit's): the last shard's
+            # task writes it
+            return [job.shards_total - 1]
         return []
 
     def shard_size(self, shard: AuditShardInput) -> tuple[int, int]:
