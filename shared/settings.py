@@ -50,7 +50,8 @@ class Settings(BaseSettings):
     maintenance_interval_s: float = Field(
         default=600.0,
         gt=0,
-        description="how often the producer applies the retention and trims the shard events of finished jobs",
+        description="how often the producer applies the retention, trims the shard events of finished jobs and "
+        "measures what the store holds besides the committed samples (for the storage budget)",
     )
 
     # Inference

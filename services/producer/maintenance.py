@@ -1,5 +1,7 @@
-"""The producer's upkeep on a schedule, in a thread of its own: the retention (EAGLE3_RETENTION_DAYS) and the trimming
-of finished jobs' shard events (shared/lifecycle/deletion.py), at start and every EAGLE3_MAINTENANCE_INTERVAL_S."""
+"""The producer's upkeep on a schedule, in a thread of its own: the retention (EAGLE3_RETENTION_DAYS), the trimming of
+finished jobs' shard events (shared/lifecycle/deletion.py) and the measurement of what the store holds besides the
+committed samples, which the storage budget counts (shared/lifecycle/budget.py), at start and every
+EAGLE3_MAINTENANCE_INTERVAL_S."""
 
 import logging
 import threading
@@ -8,7 +10,7 @@ import redis
 
 from services.producer.deps import get_redis, get_storage
 from shared.errors import Eagle3Error
-from shared.lifecycle import deletion
+from shared.lifecycle import budget, deletion
 from shared.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ class Maintenance:
     def _run(self) -> None:
         while True:
             try:
-                deletion.maintain(get_storage(self.settings), get_redis(self.settings), self.settings)
+                storage, client = get_storage(self.settings), get_redis(self.settings)
+                deletion.maintain(storage, client, self.settings)
+                budget.measure_other_bytes(client, storage)
             except (Eagle3Error, redis.RedisError) as exc:  # Redis or storage down: the next round tries again
                 logger.warning("maintenance round failed, next in %.0fs: %s", self.settings.maintenance_interval_s, exc)
             if self._stopped.wait(self.settings.maintenance_interval_s):

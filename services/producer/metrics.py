@@ -83,7 +83,7 @@ class JobsCollector(Collector):
         # What the store-wide budget counts, and the budget itself when there is one: the headroom to alert on.
         yield GaugeMetricFamily(
             "eagle3_storage_stored_bytes",
-            "Bytes stored by every job, what the storage budget counts",
+            "Bytes stored: every job's committed samples and the rest of the store as last measured",
             value=float(budget.stored_bytes(self.client)),
         )
         if store_budget is not None:

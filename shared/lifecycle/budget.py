@@ -1,10 +1,12 @@
 """Storage budgets that hold while jobs run: the store-wide one (EAGLE3_STORAGE_BUDGET_BYTES) and each job's own
 (JobSpec.storage_budget_bytes).
 
-What counts is what is stored, measured: every job's `bytes_stored` (the sum of its committed manifests), plus what
-running shards have reserved. Before a shard writes anything, it reserves its projected size (its share of the job's
-projection) in one Redis script that sees every job's stored bytes and every reservation; a shard that does not fit
-raises OverStorageBudget, a StorageFull: the job pauses with the reason, the shard runs again every
+What counts is what is stored, measured: every job's `bytes_stored` (the sum of its committed manifests), the rest
+of the store as the producer last measured it (`measure_other_bytes`: job files, shard inputs and manifests, trainer
+checkpoints and exports, regenerated outputs, anything else in the bucket), plus what running shards have reserved.
+Before a shard writes anything, it reserves its projected size (its share of the job's projection) in one Redis
+script that sees every job's stored bytes and every reservation; a shard that does not fit raises
+OverStorageBudget, a StorageFull: the job pauses with the reason, the shard runs again every
 EAGLE3_STORAGE_WAIT_S without spending attempts, and goes on by itself once a delete has made room or the budget is
 raised (`eagle3 budget`). Just before its commit the reservation becomes the shard's measured bytes (a projection
 can fall a little short); a shard that then no longer fits pauses the same way, its written files kept, uncounted,
@@ -29,6 +31,7 @@ from shared.lifecycle.schemas import JobRecord
 from shared.redis_replies import text
 from shared.settings import Settings
 from shared.sizes import human_bytes
+from shared.storage.objects import Storage
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,12 @@ UNLIMITED = -1
 RESERVATIONS = "eagle3:budget:reservations"  # sorted set: "{job_id}|{shard}" -> expiry (Redis server time)
 RESERVED = "eagle3:budget:reserved"  # hash: "{job_id}|{shard}" -> bytes
 JOB_BUDGET_FIELD = "storage_budget_bytes"  # in the job's progress hash
+# Bytes in the store besides the jobs' committed samples, as last measured (`measure_other_bytes`).
+OTHER_BYTES_KEY = "eagle3:budget:other-bytes"
 
-# KEYS: reservations, reserved bytes, the job's hash, then every job's hash. ARGV: reservation, bytes, ttl,
-# store-wide budget and job budget (-1: none), the job's reservation prefix. Returns {1} or {0, which, stored,
-# reserved} for the budget that would be crossed.
+# KEYS: reservations, reserved bytes, the job's hash, the other bytes, then every job's hash. ARGV: reservation,
+# bytes, ttl, store-wide budget and job budget (-1: none), the job's reservation prefix. Returns {1} or
+# {0, which, stored, reserved} for the budget that would be crossed.
 _RESERVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1])
@@ -59,8 +64,8 @@ for i = 1, #all, 2 do
   reserved = reserved + bytes
   if string.sub(all[i], 1, #ARGV[6]) == ARGV[6] then job_reserved = job_reserved + bytes end
 end
-local stored = 0
-for i = 4, #KEYS do
+local stored = tonumber(redis.call('GET', KEYS[4]) or '0')
+for i = 5, #KEYS do
   stored = stored + tonumber(redis.call('HGET', KEYS[i], 'bytes_stored') or '0')
 end
 local job_stored = tonumber(redis.call('HGET', KEYS[3], 'bytes_stored') or '0')
@@ -103,11 +108,34 @@ def set_job_budget(client: redis.Redis, job_id: str, budget_bytes: int | None) -
 
 
 def stored_bytes(client: redis.Redis) -> int:
-    """Every job's measured bytes (its committed manifests), as Redis counts them."""
+    """Everything stored, as the budget counts it: every job's committed samples plus the rest of the store as last
+    measured."""
+    return samples_bytes(client) + other_bytes(client)
+
+
+def samples_bytes(client: redis.Redis) -> int:
+    """Every job's committed samples (the sizes in its manifests), as Redis counts them at each commit."""
     with client.pipeline() as pipe:
         for job_id in progress.all_job_ids(client):
             pipe.hget(progress.job_key(job_id), "bytes_stored")
         return sum(int(v) for v in pipe.execute() if v is not None)
+
+
+def other_bytes(client: redis.Redis) -> int:
+    """The store's bytes besides the committed samples, as last measured (0 before the first measurement)."""
+    return int(client.get(OTHER_BYTES_KEY) or 0)
+
+
+def measure_other_bytes(client: redis.Redis, storage: Storage) -> int:
+    """Measure what the store holds besides the jobs' committed samples: its total size (one listing) less what the
+    jobs' manifests count, and keep it for the budget. The producer's upkeep takes it every
+    EAGLE3_MAINTENANCE_INTERVAL_S and after each delete, so a checkpoint written in between counts from the next
+    measurement. The samples are read after the listing: a running shard's files written but not yet committed count
+    here as well as in its reservation until then, which errs on the side of the budget."""
+    total = storage.total_size()
+    other = max(0, total - samples_bytes(client))
+    client.set(OTHER_BYTES_KEY, other)
+    return other
 
 
 def check_submit(
@@ -153,10 +181,11 @@ def reserve(client: redis.Redis, settings: Settings, job: JobRecord, shard_index
     job_hashes = [progress.job_key(job_id) for job_id in progress.all_job_ids(client)]
     reply = client.eval(
         _RESERVE,
-        3 + len(job_hashes),
+        4 + len(job_hashes),
         RESERVATIONS,
         RESERVED,
         progress.job_key(job.job_id),
+        OTHER_BYTES_KEY,
         *job_hashes,
         reservation(job.job_id, shard_index),
         nbytes,

@@ -4,7 +4,7 @@ services/producer/errors.py."""
 import json
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, HTTPException, UploadFile, status
+from fastapi import APIRouter, BackgroundTasks, File, Form, HTTPException, UploadFile, status
 from pydantic import BaseModel, Field, ValidationError
 
 from services.producer.deps import (
@@ -117,14 +117,17 @@ def delete_job(
     settings: SettingsDep,
     storage: StorageDep,
     client: RedisDep,
+    after: BackgroundTasks,
     cancel: bool = False,
     force: bool = False,
     with_checkpoints: bool = False,
 ) -> deletion.DeleteReport:
     """Delete a job's objects, Redis keys and index entry; trainer checkpoints stay unless `with_checkpoints`. 409
     when it runs (`cancel` cancels it first) or a running trainer follows it (`force`). An interrupted delete leaves
-    the job `deleting`; calling this again finishes it."""
-    return deletion.delete_job(
+    the job `deleting`; calling this again finishes it. Once answered, the store is measured again for the budget
+    (its files besides the samples went with the job), so a job paused by the budget goes on without waiting for
+    the next upkeep."""
+    report = deletion.delete_job(
         job_id,
         storage=storage,
         client=client,
@@ -133,6 +136,8 @@ def delete_job(
         with_checkpoints=with_checkpoints,
         wait_s=deletion.stop_wait_s(settings),
     )
+    after.add_task(budget.measure_other_bytes, client, storage)
+    return report
 
 
 @router.get("/{job_id}", dependencies=[Authorized])
