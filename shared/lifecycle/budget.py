@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.errors import OverBudget, OverStorageBudget
+from shared.errors import Eagle3Error, OverBudget, OverStorageBudget
 from shared.lifecycle import progress
 from shared.lifecycle.schemas import JobRecord
 from shared.redis_replies import text
@@ -136,6 +136,15 @@ def measure_other_bytes(client: redis.Redis, storage: Storage) -> int:
     other = max(0, total - samples_bytes(client))
     client.set(OTHER_BYTES_KEY, other)
     return other
+
+
+def remeasure(client: redis.Redis, storage: Storage) -> None:
+    """`measure_other_bytes` where nothing waits on it (after a delete has answered): a store or Redis that fails
+    meanwhile is logged, and the upkeep's next round measures again."""
+    try:
+        measure_other_bytes(client, storage)
+    except (Eagle3Error, redis.RedisError) as exc:
+        logger.warning("cannot measure the store for the storage budget, the next upkeep round will: %s", exc)
 
 
 def check_submit(

@@ -12,11 +12,15 @@ and one a running trainer follows (unless forced), then, in this order:
    asked;
 3. removes every Redis key of the job but its hash: the committed and dead-lettered sets, the shard events, the
    followers, its shard leases, its budget reservations, its publishing checkpoint;
-4. removes the index entry, then the hash and the job's place in the job list.
+4. removes the hash and the job's place in the job list, then the index entry. Never the other way round: a hash
+   left saying deleting and cancelled with nothing of the job in storage would let a submit of the same id through,
+   and register the new job into it (deleting, its shards skipped; the next delete would remove it).
 
 Killed, or with storage or Redis down at any step, the job stays `deleting` (the index entry or the hash says so; a
 Redis that lost its state meanwhile gets the job back as `deleting` from the index, shared/lifecycle/recovery.py), and
-running the delete again finishes it: every step is idempotent.
+running the delete again finishes it: every step is idempotent. Stopped between the two marks of step 1, nothing is
+removed yet and the job shows its former state (a resume is refused); stopped within step 4, only its index entry is
+left, which refuses a submit of the id.
 """
 
 import json
@@ -148,15 +152,16 @@ def delete_job(
     storage.delete_many([layout.job_json(job_id)])
     deleted = len(doomed) + (layout.job_json(job_id) in keys)
 
-    # 3. Every Redis key of the job but its hash, which shows `deleting` until the end.
+    # 3. Every Redis key of the job but its hash, which shows `deleting` until the last step.
     redis_keys = _delete_redis_keys(client, job_id)
 
-    # 4. The index entry, then the hash: the job is gone.
-    storage.delete(layout.job_index_entry(job_id))
+    # 4. The hash, then the index entry: the job is gone. The index entry outlives the hash, so that a submit of the
+    # same id is refused until nothing of the job is left in Redis to register the new job into.
     with client.pipeline() as pipe:
         pipe.delete(progress.job_key(job_id))
         pipe.zrem(progress.JOBS_INDEX, job_id)
         removed = pipe.execute()
+    storage.delete(layout.job_index_entry(job_id))
     logger.warning("deleted job %s: %d objects (%d kept under trainer/)", job_id, deleted, len(kept))
     return DeleteReport(
         job_id=job_id,

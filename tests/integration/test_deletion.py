@@ -1,14 +1,21 @@
 """Deleting jobs, retention, trimming and storage budgets, against a real Redis, a real SeaweedFS S3 (through the
 fault proxy where storage must fail part way), real file storage, and the reference server for real shards."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from services.producer.deps import get_storage
 from services.trainer.data import ShardFollower, TargetSignature
 from shared.errors import JobDeleting, JobNotFound, OverBudget, OverStorageBudget, StorageUnavailable, SubmitError
 from shared.lifecycle import budget, deletion, followers, jobs, progress, recovery
@@ -21,7 +28,7 @@ from shared.storage import layout
 from shared.storage.objects import Storage, open_storage
 from tests.datasets import write_dataset
 from tests.faults.fault_proxy import fault_proxy
-from tests.fixtures.processes import wait_until
+from tests.fixtures.processes import free_port, kill_if_running, wait_until
 from tests.integration.test_extraction import extract, plan
 from tests.integration.test_producer_api import Api, api_settings, make_api
 from tests.integration.test_progress import make_job, make_manifest
@@ -202,6 +209,272 @@ def test_a_delete_interrupted_by_s3_shows_deleting_and_finishes_when_run_again(
     assert report.finished_earlier_delete and report.objects_deleted == len(left)
     assert direct.list("big/") == [] and not direct.exists(layout.job_index_entry("big"))
     assert job_redis_keys(client, "big") == set()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A delete stopped mid-way: its process killed, Redis refusing connections. A hook on the real storage stops it at a
+# precise point; everything else is real (SeaweedFS S3, redis-server, the producer's routes for what follows).
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stored_job(tmp_path: Path, model: Path, redis_url: str, storage: Storage, job_id: str, samples: int) -> None:
+    """A cancelled job as a run leaves it: planned (job.json, shard inputs, index entry, progress hash, place in the
+    job list), shard 0 committed (its manifest, count, committed set and event), `samples` sample objects and a
+    trainer checkpoint."""
+    client = redis.Redis.from_url(redis_url)
+    plan(tmp_path, model, redis_url, storage, job_id=job_id)
+    progress.commit_manifest(storage, client, make_manifest(0).model_copy(update={"job_id": job_id}))
+    jobs.cancel(job_id, storage=storage, client=client)
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda i: storage.put(layout.sample(job_id, i), b"x" * 64), range(samples)))
+    storage.put(layout.trainer_checkpoint(job_id, "run-1", 10), b"weights")
+
+
+def everything_of(storage: Storage, client: redis.Redis, job_id: str) -> tuple[object, ...]:
+    """A job's objects with their bytes, its index entry, its Redis keys and its progress hash."""
+    objects = {key: storage.get(key) for key in storage.list(f"{job_id}/")}
+    index = storage.get(layout.job_index_entry(job_id)) if storage.exists(layout.job_index_entry(job_id)) else None
+    return objects, index, job_redis_keys(client, job_id), client.hgetall(progress.job_key(job_id))
+
+
+class StopsAt:
+    """The real storage of a delete, calling `stop` once the delete of `job_id` reaches `point`: "marked" (its index
+    entry says deleting), "first batch" (one DeleteObjects of its objects done), "objects" (job.json, its last object,
+    gone), "index entry" (about to remove its index entry)."""
+
+    def __init__(self, storage: Storage, job_id: str, point: str, stop: Callable[[], None]) -> None:
+        self.storage, self.job_id, self.point, self.stop = storage, job_id, point, stop
+        self.batches = 0
+
+    def __getattr__(self, name: str) -> Any:  # every other call: the real storage's
+        return getattr(self.storage, name)
+
+    def _reached(self, point: str) -> None:
+        if point == self.point:
+            self.stop()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.storage.put(key, data)
+        if key == layout.job_index_entry(self.job_id):
+            self._reached("marked")
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self.storage.delete_many(keys)
+        self.batches += 1
+        if self.batches == 1:
+            self._reached("first batch")
+        if layout.job_json(self.job_id) in keys:
+            self._reached("objects")
+
+    def delete(self, key: str) -> None:
+        if key == layout.job_index_entry(self.job_id):
+            self._reached("index entry")
+        self.storage.delete(key)
+
+
+def delete_until_killed(job_id: str, redis_url: str, point: str, stopped: str) -> None:
+    """The process the kill test runs (`python -c`): a delete with --with-checkpoints over the real S3 storage (from
+    EAGLE3_*) and Redis, which writes `stopped` once it reaches `point` and waits there to be killed."""
+
+    def wait_for_the_kill() -> None:
+        Path(stopped).write_text(point)
+        time.sleep(600)
+
+    settings = Settings()
+    storage = StopsAt(open_storage(settings.storage_url, settings), job_id, point, wait_for_the_kill)
+    deletion.delete_job(job_id, storage=storage, client=redis.Redis.from_url(redis_url), with_checkpoints=True)
+    raise SystemExit(f"the delete of {job_id} ended without reaching {point!r}")
+
+
+def check_nothing_looks_whole(api: Api, storage: Storage, tmp_path: Path, model: Path, job_id: str) -> str | None:
+    """What a stopped delete leaves, seen through the producer's routes (what `eagle3 status`, `eagle3 jobs` and the
+    dashboard read): the job shows the same state in its progress and in the job list, or nowhere, in which case its
+    index entry still says deleting; a resume enqueues nothing and a submit of its id is refused. Returns the state
+    shown, or None."""
+    shown = api.client.get(f"/v1/jobs/{job_id}/progress")
+    listed = {p["job_id"]: p["state"] for p in api.client.get("/v1/jobs").json()}
+    state = None
+    if shown.status_code == 200:
+        state = shown.json()["state"]
+        assert listed[job_id] == state
+    else:
+        assert shown.status_code == 404 and job_id not in listed, shown.text
+        assert recovery.deleting_detail(storage, job_id) is not None  # its index entry: a re-run finishes it
+    resumed = api.client.post(f"/v1/jobs/{job_id}/resume")
+    assert resumed.status_code == (409 if storage.exists(layout.job_json(job_id)) else 404), resumed.text
+    dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
+    again = api.client.post("/v1/jobs", json={"dataset_url": str(dataset), "model_path": str(model), "job_id": job_id})
+    assert again.status_code == 409, again.text  # never planned over what is left of it
+    assert api.enqueued == []
+    return state
+
+
+@pytest.mark.parametrize("point", ["marked", "first batch", "objects", "index entry"])
+def test_a_delete_killed_mid_way_leaves_nothing_that_looks_whole_and_finishes_when_run_again(
+    point: str,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    redis_url: str,
+    client: redis.Redis,
+    s3_storage_url: str,
+) -> None:
+    storage = open_storage(s3_storage_url, Settings())  # Settings() reads the server the fixture set
+    samples = deletion.DELETE_BATCH + 100 if point == "first batch" else 20  # "first batch": one DeleteObjects of two
+    stored_job(tmp_path, tiny_model_dir, redis_url, storage, "big", samples)
+    stored_job(tmp_path, tiny_model_dir, redis_url, storage, "big-not", 20)
+    before = storage.list("big/")
+    neighbour = everything_of(storage, client, "big-not")
+
+    stopped, log = tmp_path / "stopped", tmp_path / "deleter.log"
+    with log.open("wb") as out:
+        deleter = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from tests.integration.test_deletion import delete_until_killed as d; d(*sys.argv[1:])",
+                "big",
+                redis_url,
+                point,
+                str(stopped),
+            ],
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            cwd=tmp_path,  # away from the checkout's .env: the environment alone configures it
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_until(lambda: stopped.exists() or deleter.poll() is not None, timeout_s=120)
+        assert deleter.poll() is None, log.read_text()
+        deleter.send_signal(signal.SIGKILL)
+        assert deleter.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        kill_if_running(deleter)
+
+    left = storage.list("big/")
+    redis_left = job_redis_keys(client, "big")
+    assert recovery.deleting_detail(storage, "big") is not None  # every point: the index entry says deleting
+    if point == "marked":  # nothing removed yet: the job is whole, its Redis hash not yet marked
+        assert left == before and progress.committed_key("big").encode() in redis_left
+    elif point == "first batch":  # 1,000 objects gone, job.json (the last to go) still there
+        assert len(before) - len(left) == deletion.DELETE_BATCH and layout.job_json("big") in left
+    elif point == "objects":  # every object gone, checkpoints too (asked); the Redis keys not yet
+        assert left == [] and progress.committed_key("big").encode() in redis_left
+    else:  # "index entry": nothing left but the index entry (the Redis hash went before it)
+        assert left == [] and redis_left == set()
+
+    for api in make_api(api_settings(tmp_path, tiny_model_dir, redis_url=redis_url, storage_url=s3_storage_url)):
+        state = check_nothing_looks_whole(api, storage, tmp_path, tiny_model_dir, "big")
+        # Marked in storage only, nothing removed: its former state. Anything removed: `deleting`, or nowhere once
+        # its Redis hash went before its index entry.
+        assert state == {"marked": "cancelled", "index entry": None}.get(point, "deleting")
+
+        again = api.client.delete("/v1/jobs/big")  # what `eagle3 delete big` asks
+        assert again.status_code == 200, again.text
+        report = again.json()
+        assert report["finished_earlier_delete"] and report["objects_deleted"] == len(left)
+        assert api.client.get("/v1/jobs/big/progress").status_code == 404
+        assert "big" not in {p["job_id"] for p in api.client.get("/v1/jobs").json()}
+        assert api.client.delete("/v1/jobs/big").status_code == 404  # nothing of it left to delete
+        assert api.client.get("/v1/jobs/big-not/progress").json()["state"] == "cancelled"
+    assert storage.list("big/") == []  # the checkpoints too, as the killed delete was asked
+    assert not storage.exists(layout.job_index_entry("big")) and job_redis_keys(client, "big") == set()
+    assert everything_of(storage, client, "big-not") == neighbour
+
+
+class RestartableRedis:
+    """A redis-server of the test's own with an append-only file. `stop()` is a container's stop (SIGTERM: it writes
+    the file and exits; connections are refused from then on), `start()` serves the same data on the same port."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir()
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        self.argv += ["--appendonly", "yes", "--dir", str(folder)]
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL)
+        wait_until(lambda: redis.Redis(port=self.port).ping(), timeout_s=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("point", ["marked", "first batch", "objects", "redis keys"])
+def test_a_delete_redis_refuses_mid_way_answers_503_and_finishes_when_run_again_once_redis_is_back(
+    point: str,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    own_redis: RestartableRedis,
+    s3_storage_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = open_storage(s3_storage_url, Settings())
+    client = redis.Redis.from_url(own_redis.url)
+    samples = deletion.DELETE_BATCH + 100 if point == "first batch" else 20
+    stored_job(tmp_path, tiny_model_dir, own_redis.url, storage, "big", samples)
+    stored_job(tmp_path, tiny_model_dir, own_redis.url, storage, "big-not", 20)
+    before = storage.list("big/")
+    neighbour = everything_of(storage, client, "big-not")
+    checkpoint = layout.trainer_checkpoint("big", "run-1", 10)
+
+    # Redis stops when the delete reaches the point: every Redis call of the delete from there on is refused. At
+    # "redis keys", once the job's Redis keys but its hash are gone: the delete's last step meets it.
+    hooked = StopsAt(storage, "big", point, own_redis.stop)
+    remove_keys = deletion._delete_redis_keys
+
+    def then_redis_stops(client: redis.Redis, job_id: str) -> int:
+        removed = remove_keys(client, job_id)
+        own_redis.stop()
+        return removed
+
+    settings = api_settings(tmp_path, tiny_model_dir, redis_url=own_redis.url, storage_url=s3_storage_url)
+    for api in make_api(settings):
+        app: Any = api.client.app
+        app.dependency_overrides[get_storage] = lambda: hooked
+        with monkeypatch.context() as patch:
+            if point == "redis keys":
+                patch.setattr(deletion, "_delete_redis_keys", then_redis_stops)
+            refused = api.client.delete("/v1/jobs/big")
+        del app.dependency_overrides[get_storage]
+        assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
+        assert refused.json()["detail"].startswith("Redis at ")
+        assert own_redis.process is not None and own_redis.process.poll() is not None  # it did stop there
+
+        left = storage.list("big/")
+        if point == "marked":  # refused at the Redis mark: nothing removed
+            assert left == before
+        else:  # the objects went on going without Redis (checkpoints kept); its Redis keys could not
+            assert left == [checkpoint]
+        assert recovery.deleting_detail(storage, "big") is not None  # its index entry: a re-run finishes it
+
+        own_redis.start()  # back, with its data
+        state = check_nothing_looks_whole(api, storage, tmp_path, tiny_model_dir, "big")
+        assert state == ("cancelled" if point == "marked" else "deleting")
+
+        again = api.client.delete("/v1/jobs/big")
+        assert again.status_code == 200, again.text
+        report = again.json()
+        assert report["finished_earlier_delete"] and report["objects_kept"] == 1
+        assert api.client.get("/v1/jobs/big/progress").status_code == 404
+        assert api.client.delete("/v1/jobs/big").status_code == 404
+    assert storage.list("big/") == [checkpoint]  # kept: neither delete asked for the checkpoints
+    assert not storage.exists(layout.job_index_entry("big")) and job_redis_keys(client, "big") == set()
+    assert everything_of(storage, client, "big-not") == neighbour
 
 
 # ---------------------------------------------------------------------------------------------------------------------

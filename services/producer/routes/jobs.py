@@ -136,7 +136,7 @@ def delete_job(
         with_checkpoints=with_checkpoints,
         wait_s=deletion.stop_wait_s(settings),
     )
-    after.add_task(budget.measure_other_bytes, client, storage)
+    after.add_task(budget.remeasure, client, storage)
     return report
 
 
