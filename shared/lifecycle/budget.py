@@ -40,7 +40,6 @@ BUDGET_KEY = "eagle3:storage-budget"  # the store-wide budget set while running,
 UNLIMITED = -1
 RESERVATIONS = "eagle3:budget:reservations"  # sorted set: "{job_id}|{shard}" -> expiry (Redis server time)
 RESERVED = "eagle3:budget:reserved"  # hash: "{job_id}|{shard}" -> bytes
-JOB_BUDGET_FIELD = "storage_budget_bytes"  # in the job's progress hash
 # Bytes in the store besides the jobs' committed samples, as last measured (`measure_other_bytes`).
 OTHER_BYTES_KEY = "eagle3:budget:other-bytes"
 
@@ -92,7 +91,7 @@ def store_budget(client: redis.Redis, settings: Settings) -> int | None:
 
 def job_budget(client: redis.Redis, job: JobRecord) -> int | None:
     """A job's own budget: the one set while running, else its job.json's; None is unlimited."""
-    value = client.hget(progress.job_key(job.job_id), JOB_BUDGET_FIELD)
+    value = client.hget(progress.job_key(job.job_id), progress.STORAGE_BUDGET)
     if value is None:
         return job.spec.storage_budget_bytes
     return None if int(value) == UNLIMITED else int(value)
@@ -104,7 +103,7 @@ def set_store_budget(client: redis.Redis, budget_bytes: int | None) -> None:
 
 def set_job_budget(client: redis.Redis, job_id: str, budget_bytes: int | None) -> None:
     progress.require_job(client, job_id)
-    client.hset(progress.job_key(job_id), JOB_BUDGET_FIELD, UNLIMITED if budget_bytes is None else budget_bytes)
+    client.hset(progress.job_key(job_id), progress.STORAGE_BUDGET, UNLIMITED if budget_bytes is None else budget_bytes)
 
 
 def stored_bytes(client: redis.Redis) -> int:
@@ -117,7 +116,7 @@ def samples_bytes(client: redis.Redis) -> int:
     """Every job's committed samples (the sizes in its manifests), as Redis counts them at each commit."""
     with client.pipeline() as pipe:
         for job_id in progress.all_job_ids(client):
-            pipe.hget(progress.job_key(job_id), "bytes_stored")
+            pipe.hget(progress.job_key(job_id), progress.BYTES_STORED)
         return sum(int(v) for v in pipe.execute() if v is not None)
 
 

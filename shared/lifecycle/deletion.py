@@ -137,7 +137,7 @@ def delete_job(
     if in_storage:
         recovery.mark_index_deleting(storage, job_id, json.dumps(detail).encode())
     if state is not None:
-        client.hset(progress.job_key(job_id), mapping={"deleting": 1, "cancelled": 1})
+        progress.mark_deleting(client, job_id)
     logger.warning("deleting job %s%s", job_id, " (again: an earlier delete did not finish)" if resuming else "")
 
     # 2. Objects, job.json last: until then a Redis that lost its state can register the job again as deleting.
@@ -208,7 +208,7 @@ def _delete_redis_keys(client: redis.Redis, job_id: str) -> int:
 
 def finished_at(client: redis.Redis, p: Progress) -> float:
     """When a finished job finished (its last shard event, else its creation), Unix seconds."""
-    created = float(progress.require_job(client, p.job_id)["created_ts"])
+    created = float(progress.require_job(client, p.job_id)[progress.CREATED_TS])
     return created + p.elapsed_seconds  # a finished job's elapsed time ends at its last event
 
 

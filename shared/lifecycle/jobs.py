@@ -227,7 +227,7 @@ def resume(job_id: str, *, storage: Storage, client: redis.Redis, enqueue: Enque
     recovery.index_job(storage, job_id)  # a job published before the index existed
     if not client.exists(progress.job_key(job_id)):
         progress.register_job(client, job, storage.url, kind)
-    client.hdel(progress.job_key(job_id), "cancelled")
+    progress.uncancel(client, job_id)
     storage.delete(layout.cancelled(job_id))
     progress.rebuild(client, storage, job, kind)
     committed = {layout.shard_index_from_manifest_key(k) for k in storage.list(layout.manifests_prefix(job_id))}

@@ -34,10 +34,18 @@ from shared.storage.objects import Storage
 logger = logging.getLogger(__name__)
 
 JOBS_INDEX = "eagle3:jobs"
+# Fields of the job hash that modules besides this one read or write (through the functions below where they write).
+BYTES_STORED = "bytes_stored"  # committed samples' bytes, what the storage budgets count (shared/lifecycle/budget.py)
+CANCELLED = "cancelled"
+DELETING = "deleting"  # set by shared/lifecycle/deletion.py (and recovery.py) before anything of the job is removed
+CREATED_TS = "created_ts"  # the job's registration, seconds since the epoch
+FINALIZED = "finalized"  # a finalizing kind's last step done (shared/lifecycle/kinds/regenerate.py)
+FINALIZE_ERROR = "finalize_error"
+STORAGE_BUDGET = "storage_budget_bytes"  # a job's own budget as set while it runs (shared/lifecycle/budget.py)
 COUNTERS = (
     "samples_done",
     "tokens_done",
-    "bytes_stored",
+    BYTES_STORED,
     "shards_committed",
     "shards_dead",
     "samples_failed",
@@ -47,10 +55,10 @@ COUNTERS = (
 _TEXT_FIELDS = (
     "storage_url",
     "created_at",
-    "created_ts",
+    CREATED_TS,
     "kind",
     "counter_names",
-    "finalize_error",
+    FINALIZE_ERROR,
     "paused_reason",
 )
 
@@ -176,7 +184,7 @@ def register_job(client: redis.Redis, job: JobRecord, storage_url: str, kind: Co
                 **kind.progress_fields(job),
                 **{name: 0 for name in kind.counters},
                 "storage_url": storage_url,
-                "created_ts": created,
+                CREATED_TS: created,
                 "created_at": job.created_at,
                 "samples_total": job.samples_total,
                 "samples_rejected": job.samples_rejected,
@@ -229,17 +237,30 @@ def record_pause(client: redis.Redis, job_id: str, reason: str) -> None:
 
 def mark_finalized(client: redis.Redis, job_id: str, *, chained_job_id: str | None, error: str | None) -> None:
     """A regenerate job's dataset is assembled (and its chained job submitted, or why not)."""
-    fields: dict[FieldT, EncodableT] = {"finalized": 1}
+    fields: dict[FieldT, EncodableT] = {FINALIZED: 1}
     if chained_job_id is not None:
         fields["chained_job_id"] = chained_job_id
     if error is not None:
-        fields["finalize_error"] = error[:2000]
+        fields[FINALIZE_ERROR] = error[:2000]
     client.hset(job_key(job_id), mapping=fields)
+
+
+def is_finalized(client: redis.Redis, job_id: str) -> bool:
+    return client.hget(job_key(job_id), FINALIZED) == b"1"
+
+
+def retry_failed_finalize(client: redis.Redis, job_id: str) -> bool:
+    """A resume of a job whose last step failed: the error and the finalized mark go, so that the step runs again.
+    True when there was such an error."""
+    if not client.hdel(job_key(job_id), FINALIZE_ERROR):
+        return False
+    client.hdel(job_key(job_id), FINALIZED)
+    return True
 
 
 def record_finalize_error(client: redis.Redis, job_id: str, error: str) -> None:
     """Assembling or chaining failed for good: the job ends completed_with_errors, with the reason."""
-    client.hset(job_key(job_id), mapping={"finalize_error": error[:2000]})
+    client.hset(job_key(job_id), mapping={FINALIZE_ERROR: error[:2000]})
 
 
 def record_dead_letter(client: redis.Redis, letter: DeadLetter, *, num_samples: int, num_tokens: int) -> bool:
@@ -249,11 +270,31 @@ def record_dead_letter(client: redis.Redis, letter: DeadLetter, *, num_samples: 
 
 def cancel(client: redis.Redis, job_id: str) -> None:
     require_job(client, job_id)
-    client.hset(job_key(job_id), "cancelled", 1)
+    mark_cancelled(client, job_id)
+
+
+def mark_cancelled(client: redis.Redis, job_id: str) -> None:
+    client.hset(job_key(job_id), CANCELLED, 1)
+
+
+def uncancel(client: redis.Redis, job_id: str) -> None:
+    """A resumed job is no longer cancelled."""
+    client.hdel(job_key(job_id), CANCELLED)
+
+
+def mark_deleting(client: redis.Redis, job_id: str) -> None:
+    """The job is being deleted: it shows `deleting`, and as cancelled nothing of it runs."""
+    client.hset(job_key(job_id), mapping={DELETING: 1, CANCELLED: 1})
 
 
 def is_cancelled(client: redis.Redis, job_id: str) -> bool:
-    return client.hget(job_key(job_id), "cancelled") == b"1"
+    return client.hget(job_key(job_id), CANCELLED) == b"1"
+
+
+def created_ts(client: redis.Redis, job_id: str) -> float | None:
+    """When the job was registered (seconds since the epoch), None for a job Redis does not know."""
+    value = client.hget(job_key(job_id), CREATED_TS)
+    return float(value) if value is not None else None
 
 
 def require_job(client: redis.Redis, job_id: str) -> dict[str, str]:
@@ -305,7 +346,7 @@ def rebuild(client: redis.Redis, storage: Storage, job: JobRecord, kind: Counted
             pipe.hincrby(job_key(job.job_id), "shards_committed", 1)
             pipe.hincrby(job_key(job.job_id), "samples_done", m.num_samples)
             pipe.hincrby(job_key(job.job_id), "tokens_done", m.num_tokens)
-            pipe.hincrby(job_key(job.job_id), "bytes_stored", m.bytes)
+            pipe.hincrby(job_key(job.job_id), BYTES_STORED, m.bytes)
             for name, value in m.counters.items():
                 pipe.hincrby(job_key(job.job_id), name, value)
         for letter in dead:
@@ -367,23 +408,23 @@ def job_progress(
     # kind that finalized then.
     finalizes = bool(number.get("finalizes", kind == "regenerate"))
     counters = {name: number.get(name, 0) for name in fields.get("counter_names", "").split(",") if name}
-    started = float(fields["created_ts"])
+    started = float(fields[CREATED_TS])
     now = time.time()
     rate, last_event = _recent_rate(client, job_id, now=now, window_s=window_s, started=started)
     shards_total = number["shards_total"]
     finished_shards = number["shards_committed"] + number["shards_dead"]
     state: JobState
-    if number.get("deleting"):  # set by shared/lifecycle/deletion.py before it removes anything
+    if number.get(DELETING):  # set by shared/lifecycle/deletion.py before it removes anything
         state = "deleting"
-    elif number.get("cancelled"):
+    elif number.get(CANCELLED):
         state = "cancelled"
     elif finished_shards >= shards_total:
         # A finalizing kind's failed samples are found, and its last step fails, without a dead shard.
-        finalizing_errors = finalizes and (number["samples_failed"] > 0 or "finalize_error" in fields)
-        if finalizes and not number["shards_dead"] and not number.get("finalized"):
+        finalizing_errors = finalizes and (number["samples_failed"] > 0 or FINALIZE_ERROR in fields)
+        if finalizes and not number["shards_dead"] and not number.get(FINALIZED):
             # Every shard is committed; the last worker runs the kind's last step (a regenerate job: assembling the
             # dataset and submitting the chain).
-            state = "completed_with_errors" if "finalize_error" in fields else "running"
+            state = "completed_with_errors" if FINALIZE_ERROR in fields else "running"
         elif number["shards_dead"] or finalizing_errors:
             state = "completed_with_errors"
         else:
@@ -401,7 +442,7 @@ def job_progress(
         raise RuntimeError(f"job kind {kind!r} is not registered: import shared.lifecycle.kinds before progress")
     tokens_total, kind_fields = kind_progress(number, fields, finished)
     bytes_per_token = (
-        number["bytes_stored"] / tokens_done if tokens_done else number["projected_bytes"] / max(tokens_total, 1)
+        number[BYTES_STORED] / tokens_done if tokens_done else number["projected_bytes"] / max(tokens_total, 1)
     )
     projected = round(bytes_per_token * tokens_total)
     remaining_tokens = tokens_total - tokens_done - number["tokens_failed"]
@@ -421,7 +462,7 @@ def job_progress(
         shards_committed=number["shards_committed"],
         shards_dead_lettered=number["shards_dead"],
         shards_rerun=number.get("shards_rerun", 0),
-        bytes_stored=number["bytes_stored"],
+        bytes_stored=number[BYTES_STORED],
         bytes_per_token=bytes_per_token,
         projected_total_bytes=projected,
         storage_budget_bytes=budget_bytes,

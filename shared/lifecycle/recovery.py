@@ -55,7 +55,15 @@ ENQUEUED_FIELD = "shards_enqueued"
 # Looking for shards the broker lost: a key per job, and one for the fleet's look, each expiring.
 LOST_SHARDS_CHECK_PREFIX = "eagle3:lost-shards-checked:"
 LOST_SHARDS_SWEEP = "eagle3:lost-shards-sweep"
-_QUIET_FIELDS = ("kind", "shards_total", "shards_committed", "shards_dead", "cancelled", "deleting", "created_ts")
+_QUIET_FIELDS = (
+    "kind",
+    "shards_total",
+    "shards_committed",
+    "shards_dead",
+    progress.CANCELLED,
+    progress.DELETING,
+    progress.CREATED_TS,
+)
 
 # ARGV: job id, shards enqueued so far. The score is the Redis server's clock, so that worker clocks may disagree.
 # A job Redis lost meanwhile is not half-recreated: the Redis-loss recovery registers and publishes it whole.
@@ -262,12 +270,12 @@ def _quiet_jobs(client: redis.Redis, quiet_for_s: float) -> list[tuple[str, str,
     for job_id, reply in zip(candidates, replies, strict=True):
         fields = dict(zip(_QUIET_FIELDS, (text(f) if f is not None else None for f in reply), strict=True))
         kind, total = fields["kind"], fields["shards_total"]
-        if kind is None or total is None or int(fields["cancelled"] or 0) or int(fields["deleting"] or 0):
+        if kind is None or total is None or int(fields[progress.CANCELLED] or 0) or int(fields[progress.DELETING] or 0):
             continue
         if int(fields["shards_committed"] or 0) + int(fields["shards_dead"] or 0) >= int(total):
             continue  # every shard finished (a finalizing kind's last step is the kind's own)
         newest = progress.newest_event_ts(client, job_id)
-        last = newest if newest is not None else float(fields["created_ts"] or now)
+        last = newest if newest is not None else float(fields[progress.CREATED_TS] or now)
         if now - last < quiet_for_s:
             continue
         if claim_look(client, job_id, quiet_for_s):  # one look a period at a job
@@ -340,7 +348,7 @@ def recover_jobs(storage: Storage, client: redis.Redis, *, enqueue: Enqueue) -> 
         if deleting_detail(storage, job_id) is not None:
             # A delete was under way: the job shows as deleting (nothing enqueued) until the delete runs again.
             progress.register_job(client, job, storage.url, kind_of(job.kind))
-            client.hset(progress.job_key(job_id), mapping={"deleting": 1, "cancelled": 1})
+            progress.mark_deleting(client, job_id)
             logger.warning("job %s was being deleted when Redis lost its state: run `eagle3 delete` again", job_id)
             continue
         recovered.append(job_id)
@@ -356,7 +364,7 @@ def recover_job(storage: Storage, client: redis.Redis, job: JobRecord, *, enqueu
     progress.register_job(client, job, storage.url, kind)
     progress.rebuild(client, storage, job, kind)
     if storage.exists(layout.cancelled(job.job_id)):
-        client.hset(progress.job_key(job.job_id), "cancelled", 1)
+        progress.mark_cancelled(client, job.job_id)
         return 0
     sent = publish(storage, client, job, enqueue=enqueue)
     committed = progress.committed_shards(client, job.job_id)

@@ -14,7 +14,7 @@ import time
 import redis
 from pydantic import BaseModel
 
-from shared.lifecycle.progress import job_key
+from shared.lifecycle import progress
 from shared.lifecycle.queue import SENT_TS_HEADER, SHARD_QUEUE, UNACKED, queue_lists
 from shared.redis_replies import scored_members, text, text_hash
 
@@ -144,5 +144,4 @@ def _sent_ts(client: redis.Redis, message: bytes) -> float | None:
     if SENT_TS_HEADER in headers:
         return float(headers[SENT_TS_HEADER])
     job_id = str(headers.get("id", "")).split(":", 1)[0]
-    created = client.hget(job_key(job_id), "created_ts") if job_id else None
-    return float(created) if created is not None else None
+    return progress.created_ts(client, job_id) if job_id else None

@@ -47,7 +47,7 @@ class JobOverview(BaseModel):
 def job_timeline(client: redis.Redis, job_id: str, *, points: int = 120, now: float | None = None) -> JobTimeline:
     """`points` equal intervals from the job's creation to its last event (or now, while it runs)."""
     fields = progress.require_job(client, job_id)
-    started = float(fields["created_ts"])
+    started = float(fields[progress.CREATED_TS])
     now = time.time() if now is None else now
     events = _events(client, job_id)
     finished = progress.job_progress(client, job_id).finished
@@ -111,7 +111,7 @@ def last_commit_ts(client: redis.Redis, job_id: str) -> float | None:
 def job_activity(client: redis.Redis, p: Progress, *, stall_after_s: float, now: float | None = None) -> JobActivity:
     now = time.time() if now is None else now
     last = last_commit_ts(client, p.job_id)
-    since = now - (last if last is not None else float(progress.require_job(client, p.job_id)["created_ts"]))
+    since = now - (last if last is not None else float(progress.require_job(client, p.job_id)[progress.CREATED_TS]))
     return JobActivity(
         last_commit_ts=last,
         seconds_since_commit=max(since, 0.0),

@@ -523,7 +523,7 @@ def finalize_if_complete(
     copy the dataset to output_url, submit the chained extraction job. Idempotent, so whichever worker commits
     the last shard (or two at once, or a retry) can run it. True when the job is finalized."""
     plan = RegenerateRecord.plan_of(job)
-    if redis_client.hget(progress.job_key(job.job_id), "finalized") == b"1":
+    if progress.is_finalized(redis_client, job.job_id):
         return True
     if len(storage.list(layout.manifests_prefix(job.job_id))) < job.shards_total:
         return False
@@ -802,10 +802,10 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
             dict(number)
             | {
                 "max_generated_tokens": number.get("max_generated_tokens", number["tokens_total"]),
-                "finalized": bool(number.get("finalized")),
+                "finalized": bool(number.get(progress.FINALIZED)),
                 "output_key": fields.get("output_key"),
                 "chained_job_id": fields.get("chained_job_id"),
-                "error": fields.get("finalize_error"),
+                "error": fields.get(progress.FINALIZE_ERROR),
             }
         )
         return projected_generated_tokens(number, finished=finished), {"regeneration": section}
@@ -814,9 +814,8 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         return failed_conversations(storage, job_id)
 
     def after_resume(self, storage: Storage, client: redis.Redis, job: JobRecord, pending: list[int]) -> list[int]:
-        if client.hdel(progress.job_key(job.job_id), "finalize_error"):
-            client.hdel(progress.job_key(job.job_id), "finalized")  # assembling or chaining failed: it runs again
-        if not pending and client.hget(progress.job_key(job.job_id), "finalized") != b"1":
+        progress.retry_failed_finalize(client, job.job_id)  # assembling or chaining failed: it runs again
+        if not pending and not progress.is_finalized(client, job.job_id):
             return [job.shards_total - 1]  # committed: the task goes straight to assembling
         return []
 
