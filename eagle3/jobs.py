@@ -142,23 +142,18 @@ EXTRACTION_OPTIONS = (
     "shard_seconds",
     "storage_dtype",
 )
-# A kind's own options are its declaration (KindOptions, shared/lifecycle/kinds/): each of its commands offers them
-# all but the ones that command takes another way (a positional argument, --out).
-KIND_COMMANDS: dict[str, tuple[str, ...]] = {"regenerate": ("output_url",), "audit": ("source_job_id",)}
+# A kind's own options are its declaration (KindOptions, shared/lifecycle/kinds/): its command offers them all, by the
+# flags the declaration names (CLI_FLAGS), but the ones it takes another way (CLI_ELSEWHERE).
 AUDIT_COMMON_OPTIONS = ("shard_token_budget", "job_id")
-FLAGS = {
-    "model_path": ("--model", "--model-path"),
-    "audit_samples": ("--samples",),
-    "audit_fraction": ("--fraction",),
-    "audit_backend_url": ("--backend",),
-    "audit_tolerance_aux": ("--tolerance-aux",),
-    "audit_tolerance_final": ("--tolerance-final",),
-}
+FLAGS: dict[str, tuple[str, ...]] = {"model_path": ("--model", "--model-path")}
 AUDIT_REPORT_WAIT_S = 60.0  # the last shard's worker writes the report just after its commit
 
 
 def add_spec_options(
-    parser: argparse.ArgumentParser, names: tuple[str, ...], fields: dict[str, FieldInfo] = JobSpec.model_fields
+    parser: argparse.ArgumentParser,
+    names: tuple[str, ...],
+    fields: dict[str, FieldInfo] = JobSpec.model_fields,
+    flags: dict[str, tuple[str, ...]] = FLAGS,
 ) -> None:
     for name in names:
         field = fields[name]
@@ -174,7 +169,7 @@ def add_spec_options(
             options["type"] = kind
         default = "" if field.default in (None, False) else f" (default {field.default})"
         options["help"] = (field.description or "") + default
-        parser.add_argument(*FLAGS.get(name, ("--" + name.replace("_", "-"),)), **options)
+        parser.add_argument(*flags.get(name, ("--" + name.replace("_", "-"),)), **options)
 
 
 def kind_options(kind: str) -> dict[str, FieldInfo]:
@@ -182,13 +177,15 @@ def kind_options(kind: str) -> dict[str, FieldInfo]:
     which the job commands (they only talk to the API) do not need to start."""
     from shared.lifecycle.kinds import KINDS
 
-    fields = KINDS[kind].options.model_fields
-    return {name: field for name, field in fields.items() if name not in KIND_COMMANDS[kind]}
+    options = KINDS[kind].options
+    return {name: field for name, field in options.model_fields.items() if name not in options.CLI_ELSEWHERE}
 
 
 def add_kind_options(parser: argparse.ArgumentParser, kind: str) -> None:
+    from shared.lifecycle.kinds import KINDS
+
     fields = kind_options(kind)
-    add_spec_options(parser, tuple(fields), fields)
+    add_spec_options(parser, tuple(fields), fields, FLAGS | KINDS[kind].options.CLI_FLAGS)
 
 
 def spec_of(args: argparse.Namespace, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:

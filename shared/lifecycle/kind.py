@@ -53,6 +53,11 @@ class KindOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    # How the kind's command (`eagle3 <kind>`) offers its options: every field as --field-name, but those named here
+    # by their own flags, and none of those it takes another way (a positional argument, a flag of its own).
+    CLI_FLAGS: ClassVar[dict[str, tuple[str, ...]]] = {}
+    CLI_ELSEWHERE: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def of(cls, spec: JobSpec) -> Self:
         """This kind's options of a spec (JobSpec checked them when it was built)."""

@@ -149,6 +149,15 @@ class AuditReport(BaseModel):
 class AuditOptions(KindOptions):
     """An audit job's options: which extraction job, how many of its samples, against what, how strictly."""
 
+    CLI_FLAGS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "audit_samples": ("--samples",),
+        "audit_fraction": ("--fraction",),
+        "audit_backend_url": ("--backend",),
+        "audit_tolerance_aux": ("--tolerance-aux",),
+        "audit_tolerance_final": ("--tolerance-final",),
+    }
+    CLI_ELSEWHERE = ("source_job_id",)  # `eagle3 audit JOB`
+
     source_job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN, description="the extraction job to audit")
     audit_samples: int | None = Field(default=None, ge=1, description="samples to check (default 32)")
     audit_fraction: float | None = Field(default=None, gt=0, le=1, description="or this share of the job's samples")

@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 
 
 class RegenerateOptions(KindOptions):
+    CLI_ELSEWHERE = ("output_url",)  # `eagle3 regenerate --out`
     """A regenerate job's options (docs/regeneration.md): how the target rewrites every assistant turn. JobSpec's
     extraction fields then apply to the chained extraction job (then_extract)."""
 
