@@ -76,6 +76,28 @@ def test_redis_restarted_gracefully_three_times_mid_job(make_stack: MakeStack, t
     assert (p.state, p.samples_done) == ("completed", p.samples_total), p
 
 
+def test_redis_down_three_minutes_mid_job_past_the_outage_wait(make_stack: MakeStack, chats: Path, fault_table) -> None:
+    """Redis stopped (SIGTERM) while a shard is mid-commit and held down for three times EAGLE3_REDIS_OUTAGE_WAIT_S
+    (3 minutes at the default): the shards' Redis calls give up, their shards go back to the lease reaper, and once
+    Redis is back on its append-only file the job finishes by itself, every sample committed once."""
+    row = fault_table("Redis down 3 min (3x EAGLE3_REDIS_OUTAGE_WAIT_S) mid-job, restarted on its AOF, no manual step")
+    outage_s = 3 * DEFAULTS.redis_outage_wait_s
+    with make_stack(workers=2) as stack:
+        job_id = stack.submit(chats, shard_token_budget=SHARD_TOKENS)["job_id"]
+        stack.lease_mid_shard(job_id)
+        stopped_at = stack.stop("redis", signal.SIGTERM)
+        stack.stack.supervise()  # sees Redis gone and plans its restart after the back-off ...
+        stack.stack.restarts["redis"].restart_at = stopped_at + outage_s  # ... held back for the whole outage
+        wait_for(lambda: stack.stack.supervise() is not None and stack.redis.ping(), outage_s + 60, "Redis back")
+        back_at = time.monotonic()
+        assert back_at - stopped_at >= outage_s
+        row.recover_s = wait_next_commit(stack, job_id) - back_at
+        p = stack.wait(job_id)
+        row.audit, row.reruns = audit_job(stack.storage, job_id), p.shards_rerun
+    assert row.audit.clean, row.audit.explain()
+    assert (p.state, p.samples_done) == ("completed", p.samples_total), p
+
+
 @pytest.fixture
 def volatile_redis(tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """A redis-server without any persistence; the list holds the running process (the test restarts it)."""
