@@ -24,6 +24,17 @@ time (a manifest's committed_at to its shard event in Redis), and the load avera
 with an audit from storage: each submitted sample in exactly one manifest, and Redis's counters equal to storage's.
 
     python -m bench.fleet --workers 8,32,128,256 --json build/fleet.json
+
+By default no storage budget is set, so a shard's budget reservation (shared/lifecycle/budget.py) returns before its
+script. `--storage-budget-bytes B` runs with EAGLE3_STORAGE_BUDGET_BYTES=B (choose it far above what the run stores:
+a job that crosses it pauses and the run times out), so that every shard reserves before it writes and again at its
+commit, one Lua script each time that reads every job's hash. `--kept-jobs K` first registers K finished jobs in
+Redis (as a finished extraction of one shard leaves them, through shared/lifecycle/progress), which that script then
+reads as well (Redis counts the commands a script calls: each job kept adds two to the Redis commands per shard).
+With a budget, the reservation is also timed apart once the job has finished, from this process against the idle
+stack: its round trips, its latency, and the script's time inside Redis (INFO commandstats).
+
+    python -m bench.fleet --workers 8,32 --storage-budget-bytes 1000000000000000 --kept-jobs 1000
 """
 
 import argparse
@@ -51,11 +62,13 @@ from rich.console import Console
 from rich.table import Table
 
 from eagle3.local_stack import LocalStack, free_port
-from shared.lifecycle import leases, progress, recovery
+from shared.lifecycle import budget, leases, progress, recovery
 from shared.lifecycle.jobs import new_job_id
 from shared.lifecycle.kind import ShardContext
+from shared.lifecycle.kinds import kind_of
 from shared.lifecycle.queue import SHARD_QUEUE, ShardSender
-from shared.lifecycle.schemas import Manifest
+from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ModelRecord, utc_now
+from shared.lifecycle.shards import load_job
 from shared.ops import cluster
 from shared.redis_replies import stream_entries
 from shared.settings import Settings
@@ -68,6 +81,7 @@ if TYPE_CHECKING:  # the fixture module needs the test extras: imported where Se
 SNAPSHOT_INTERVAL_S = 0.25
 WINDOW = (0.1, 0.9)  # the share of samples committed between which rates are taken: no ramp-up, no tail
 REAPER_SWEEPS = 20
+RESERVATION_CALLS = 200  # budget reservations timed apart after the job, when a budget is set
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -235,6 +249,108 @@ def reaper_cost(redis_url: str, storage: Storage, lease_s: float, sweeps: int) -
     }
 
 
+def keep_finished_jobs(
+    client: redis.Redis, storage_url: str, count: int, *, sample_tokens: int, shard_tokens: int, hidden_size: int
+) -> None:
+    """`count` finished extraction jobs of one committed shard each, in Redis only, as such a job leaves them there
+    (its hash with every counter, its entry in the job index, its committed set and its shard event), registered and
+    counted through shared/lifecycle/progress. Their files are not in storage: nothing in a shard's run reads them,
+    and the budget reservation reads every job's hash."""
+    kind = kind_of("extract")
+    samples = max(shard_tokens // sample_tokens, 1)
+    tokens = samples * sample_tokens
+    bytes_per_token = 10 * hidden_size  # about what this benchmark's samples store per token
+    aux = [1, 3, 5]
+    for i in range(count):
+        job_id = f"kept-{i:06d}-{uuid.uuid4().hex[:8]}"
+        spec = JobSpec(
+            job_id=job_id,
+            dataset_url="file:///kept/data.jsonl",
+            max_length=sample_tokens,
+            shard_token_budget=shard_tokens,
+            draft_vocab_size=256,
+            aux_layer_ids=aux,
+        )
+        model = ModelRecord(
+            path="kept",
+            architecture="LlamaForCausalLM",
+            num_hidden_layers=8,
+            hidden_size=hidden_size,
+            vocab_size=512,
+            template_hash="kept",
+        )
+        job = JobRecord(
+            job_id=job_id,
+            created_at=utc_now(),
+            spec=spec,
+            model=model,
+            aux_layer_ids=aux,
+            hidden_size=hidden_size,
+            bytes_per_token=bytes_per_token,
+            samples_total=samples,
+            samples_rejected=0,
+            samples_truncated=0,
+            tokens_total=tokens,
+            loss_tokens_total=tokens,
+            shards_total=1,
+            projected_bytes=tokens * bytes_per_token,
+            draft_vocab_size=256,
+            vocab_coverage=1.0,
+            versions={},
+        )
+        progress.register_job(client, job, storage_url, kind)
+        manifest = Manifest(
+            job_id=job_id,
+            shard_index=0,
+            aux_layer_ids=aux,
+            hidden_size=hidden_size,
+            dtype=job.dtype,
+            samples=[],
+            num_samples=samples,
+            num_tokens=tokens,
+            loss_tokens=tokens,
+            bytes=tokens * bytes_per_token,
+        )
+        if not progress.record_commit(client, manifest):
+            raise SystemExit(f"kept job {job_id} was not counted")
+
+
+def reservation_cost(redis_url: str, storage: Storage, settings: Settings, job_id: str, calls: int) -> dict[str, float]:
+    """A shard's budget reservation as the shard lifecycle makes it (`budget.reserve`, then `budget.release`), for a
+    shard index the job does not have, timed from this process against the idle stack: round trips and latency of
+    the reservation, and the time Redis spent in EVAL meanwhile per call (INFO commandstats; any EVAL the idle fleet
+    makes meanwhile is included, and counted in `redis_evals`)."""
+    client = CountingRedis(connection_pool=redis.ConnectionPool.from_url(redis_url, socket_timeout=5))
+    job = load_job(storage, job_id)
+    jobs_in_redis = int(client.zcard(progress.JOBS_INDEX))
+
+    def eval_stats() -> tuple[int, int]:
+        stats = client.info("commandstats").get("cmdstat_eval", {})
+        return int(stats.get("calls", 0)), int(stats.get("usec", 0))
+
+    seconds, commands = [], []
+    calls_before, usec_before = eval_stats()
+    for i in range(calls):
+        shard_index = 1_000_000 + i
+        before, started = client.commands, time.perf_counter()
+        held = budget.reserve(client, settings, job, shard_index, 1)
+        seconds.append(time.perf_counter() - started)
+        commands.append(client.commands - before)
+        if not held:
+            raise SystemExit("no storage budget applied to the reservation")
+        budget.release(client, job.job_id, shard_index)
+    calls_after, usec_after = eval_stats()
+    client.close()
+    return {
+        "jobs_in_redis": jobs_in_redis,
+        "round_trips": statistics.median(commands),
+        "ms_median": statistics.median(seconds) * 1000,
+        "ms_p99": percentile(seconds, 0.99) * 1000,
+        "redis_eval_us_per_call": (usec_after - usec_before) / max(calls_after - calls_before, 1),
+        "redis_evals": calls_after - calls_before,
+    }
+
+
 class Monitor(threading.Thread):
     """Snapshots every SNAPSHOT_INTERVAL_S while the job runs; the reaper's sweep is timed once, half way."""
 
@@ -323,6 +439,9 @@ class Run:
     bottleneck: str = ""
     window_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    storage_budget_bytes: int | None = None
+    kept_jobs: int = 0
+    reservation: dict[str, float] = field(default_factory=dict)  # timed apart, with a budget only
 
 
 def run_fleet(n: int, args: argparse.Namespace, weed: "WeedMini", model_dir: Path, work: Path) -> Run:
@@ -343,6 +462,7 @@ def run_fleet(n: int, args: argparse.Namespace, weed: "WeedMini", model_dir: Pat
         dataset_roots=[str(run_dir)],
         soft_shutdown_timeout_s=5.0,  # every shard is done when the stack stops
         worker_heartbeat_file=run_dir / "heartbeat",
+        storage_budget_bytes=args.storage_budget_bytes,  # None (the default): no budget, nothing reserved
     )
     credentials = {k: v for k, v in server.env().items() if k.startswith("AWS_")}
     stack = FleetStack(
@@ -358,6 +478,15 @@ def run_fleet(n: int, args: argparse.Namespace, weed: "WeedMini", model_dir: Pat
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10)
     with stack:
         wait_for_workers(client, processes, timeout_s=180)
+        if args.kept_jobs:
+            keep_finished_jobs(
+                client,
+                settings.storage_url,
+                args.kept_jobs,
+                sample_tokens=args.sample_tokens,
+                shard_tokens=args.shard_tokens,
+                hidden_size=args.hidden_size,
+            )
         probe = CpuProbe(
             {
                 "redis": stack.pids("redis"),
@@ -409,7 +538,12 @@ def run_fleet(n: int, args: argparse.Namespace, weed: "WeedMini", model_dir: Pat
         reaper = monitor.reaper_result or reaper_cost(
             settings.redis_url, storage, settings.shard_lease_s, REAPER_SWEEPS
         )
-    return summarize(
+        reservation = (
+            {}
+            if args.storage_budget_bytes is None
+            else reservation_cost(settings.redis_url, storage, settings, job_id, RESERVATION_CALLS)
+        )
+    run = summarize(
         n=n,
         processes=processes,
         threads=threads,
@@ -424,6 +558,8 @@ def run_fleet(n: int, args: argparse.Namespace, weed: "WeedMini", model_dir: Pat
         load_after=load_after,
         finished=finished,
     )
+    run.storage_budget_bytes, run.kept_jobs, run.reservation = args.storage_budget_bytes, args.kept_jobs, reservation
+    return run
 
 
 def wait_for_workers(client: redis.Redis, processes: int, timeout_s: float) -> None:
@@ -673,6 +809,9 @@ def median_run(runs: list[Run]) -> dict[str, Any]:
         row[f"cpu_{group}"] = med([r.cpu_cores[group] for r in runs])
     for key in first.reaper:
         row[f"reaper_{key}"] = med([r.reaper[key] for r in runs])
+    row["storage_budget_bytes"], row["kept_jobs"] = first.storage_budget_bytes, first.kept_jobs
+    for key in first.reservation:
+        row[f"reservation_{key}"] = med([r.reservation[key] for r in runs])
     row["samples_committed"] = [r.samples_committed for r in runs]
     row["samples_submitted"] = [r.samples_submitted for r in runs]
     return row
@@ -751,6 +890,33 @@ def print_tables(rows: list[dict[str, Any]], console: Console) -> None:
         )
     console.print(costs)
 
+    budgeted = [row for row in rows if row["storage_budget_bytes"] is not None]
+    if budgeted:
+        reservations = Table(
+            title="the budget reservation, timed apart after the job (budget.reserve + release, idle stack; medians)"
+        )
+        for title in (
+            "N",
+            "storage budget bytes",
+            "kept jobs",
+            "jobs in Redis",
+            "round trips/reservation",
+            "ms median (p99)",
+            "Redis EVAL us/call",
+        ):
+            reservations.add_column(title, justify="right")
+        for row in budgeted:
+            reservations.add_row(
+                str(row["workers"]),
+                fmt(row["storage_budget_bytes"]),
+                fmt(row["kept_jobs"]),
+                fmt(row["reservation_jobs_in_redis"]),
+                fmt(row["reservation_round_trips"]),
+                f"{fmt(row['reservation_ms_median'], 2)} ({fmt(row['reservation_ms_p99'], 2)})",
+                fmt(row["reservation_redis_eval_us_per_call"], 0),
+            )
+        console.print(reservations)
+
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -765,12 +931,29 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--idle-seconds", type=float, default=5.0, help="the idle fleet's Redis rate is taken this long"
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs per N; the table shows medians")
+    parser.add_argument(
+        "--storage-budget-bytes",
+        type=int,
+        help="run with this store-wide storage budget (EAGLE3_STORAGE_BUDGET_BYTES), so that every shard reserves its "
+        "bytes; far above what the run stores, or the job pauses (default: none, no reservation)",
+    )
+    parser.add_argument(
+        "--kept-jobs",
+        type=int,
+        default=0,
+        help="finished jobs registered in Redis before each run, which every budget reservation reads (default 0)",
+    )
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds a run may take")
     parser.add_argument("--json", type=Path, help="write every run and the medians here")
     parser.add_argument("--work", type=Path, help="folder for logs and data (default: a temporary one, removed)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.workers.split(",")]
+    if args.kept_jobs < 0:
+        parser.error("--kept-jobs must be 0 or more")
     console = Console(width=240)
+    if args.storage_budget_bytes is not None or args.kept_jobs:
+        budget_text = "none" if args.storage_budget_bytes is None else f"{args.storage_budget_bytes:,} bytes"
+        console.print(f"storage budget: {budget_text}; finished jobs kept in Redis: {args.kept_jobs:,}")
 
     with tempfile.TemporaryDirectory(prefix="eagle3-fleet-") as tmp:
         work = args.work or Path(tmp)
