@@ -378,7 +378,7 @@ class Monitor(threading.Thread):
 
     def snapshot(self) -> Snapshot:
         fields = self.client.hmget(
-            progress.job_key(self.job_id), "samples_done", "shards_committed", recovery.ENQUEUED_FIELD
+            progress.job_key(self.job_id), "samples_done", "shards_committed", progress.SHARDS_ENQUEUED
         )
         commands, instant, redis_cpu = redis_stats(self.client)
         busy, total = machine_cpu()

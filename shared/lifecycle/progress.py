@@ -42,6 +42,7 @@ CREATED_TS = "created_ts"  # the job's registration, seconds since the epoch
 FINALIZED = "finalized"  # a finalizing kind's last step done (shared/lifecycle/kinds/regenerate.py)
 FINALIZE_ERROR = "finalize_error"
 STORAGE_BUDGET = "storage_budget_bytes"  # a job's own budget as set while it runs (shared/lifecycle/budget.py)
+SHARDS_ENQUEUED = "shards_enqueued"  # the publishing checkpoint: shards sent so far (shared/lifecycle/recovery.py)
 COUNTERS = (
     "samples_done",
     "tokens_done",

@@ -51,7 +51,6 @@ STATE_MARKER = "eagle3:state-marker"
 RECOVERED_EPOCH = "eagle3:recovered-marker"  # the marker value whose jobs have been recovered
 RECOVERY_LOCK = "eagle3:recovering"
 RECOVERY_LOCK_S = 600  # a recovering worker that dies leaves the lock for this long at most
-ENQUEUED_FIELD = "shards_enqueued"
 # Looking for shards the broker lost: a key per job, and one for the fleet's look, each expiring.
 LOST_SHARDS_CHECK_PREFIX = "eagle3:lost-shards-checked:"
 LOST_SHARDS_SWEEP = "eagle3:lost-shards-sweep"
@@ -195,7 +194,7 @@ def take_over_stalled_publishing(
             )
             taken.append(job_id)
             continue
-        enqueued = int(client.hget(progress.job_key(job_id), ENQUEUED_FIELD) or 0)
+        enqueued = int(client.hget(progress.job_key(job_id), progress.SHARDS_ENQUEUED) or 0)
         sent = publish(storage, client, job, enqueue=enqueue, start=enqueued)
         logger.warning(
             "job %s: its producer stopped after enqueueing %d of %d shards (no progress for %.0fs); "

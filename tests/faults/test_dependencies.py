@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from shared.data.demo_data import write_demo_dataset
-from shared.lifecycle import progress, recovery
+from shared.lifecycle import progress
 from shared.lifecycle.schemas import Manifest
 from shared.settings import Settings
 from shared.storage import layout
@@ -193,7 +193,7 @@ def test_producer_killed_while_enqueueing_leaves_the_job_to_the_workers(
         submit.start()
 
         def enqueued() -> int:
-            return int(stack.redis.hget(key, recovery.ENQUEUED_FIELD) or 0)
+            return int(stack.redis.hget(key, progress.SHARDS_ENQUEUED) or 0)
 
         # Stop the producer the moment it has enqueued a shard, then kill it: it dies between two enqueues.
         wait_for(lambda: enqueued() >= 1 or not submit.is_alive(), 300, "enqueueing started", interval_s=0)

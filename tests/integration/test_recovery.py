@@ -50,7 +50,7 @@ def test_a_stalled_enqueueing_is_finished_by_a_reaper(client: redis.Redis, stora
 
     with pytest.raises(Died):
         recovery.publish(storage, client, job, enqueue=dies_after_two)
-    assert client.hget(progress.job_key("job-a"), recovery.ENQUEUED_FIELD) == b"2"
+    assert client.hget(progress.job_key("job-a"), progress.SHARDS_ENQUEUED) == b"2"
     # Not stalled yet for a reaper that waits a lease period.
     assert recovery.take_over_stalled_publishing(storage, client, enqueue=dies_after_two, stalled_after_s=60) == []
 
@@ -59,7 +59,7 @@ def test_a_stalled_enqueueing_is_finished_by_a_reaper(client: redis.Redis, stora
         storage, client, enqueue=lambda kind, job_id, k: rest.append(k), stalled_after_s=0
     )
     assert taken == ["job-a"] and sent + rest == [0, 1, 2, 3, 4]
-    assert client.hget(progress.job_key("job-a"), recovery.ENQUEUED_FIELD) == b"5"
+    assert client.hget(progress.job_key("job-a"), progress.SHARDS_ENQUEUED) == b"5"
     assert not client.zscore(recovery.PUBLISHING, "job-a")  # finished: no reaper takes it again
     assert recovery.take_over_stalled_publishing(storage, client, enqueue=rest.append, stalled_after_s=0) == []
 
