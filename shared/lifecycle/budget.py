@@ -5,7 +5,8 @@ What counts is what is stored, measured: every job's `bytes_stored` (the sum of 
 of the store as the producer last measured it (`measure_other_bytes`: job files, shard inputs and manifests, trainer
 checkpoints and exports, regenerated outputs, anything else in the bucket), plus what running shards have reserved.
 Before a shard writes anything, it reserves its projected size (its share of the job's projection) in one Redis
-script that sees every job's stored bytes and every reservation; a shard that does not fit raises
+script that sees every job's stored bytes (their total, progress.BYTES_STORED_TOTAL, which each commit keeps: a read of
+one key however many jobs Redis keeps) and every reservation; a shard that does not fit raises
 OverStorageBudget, a StorageFull: the job pauses with the reason, the shard runs again every
 EAGLE3_STORAGE_WAIT_S without spending attempts, and goes on by itself once a delete has made room or the budget is
 raised (`eagle3 budget`). Just before its commit the reservation becomes the shard's measured bytes (a projection
@@ -43,7 +44,7 @@ RESERVED = "eagle3:budget:reserved"  # hash: "{job_id}|{shard}" -> bytes
 # Bytes in the store besides the jobs' committed samples, as last measured (`measure_other_bytes`).
 OTHER_BYTES_KEY = "eagle3:budget:other-bytes"
 
-# KEYS: reservations, reserved bytes, the job's hash, the other bytes, then every job's hash. ARGV: reservation,
+# KEYS: reservations, reserved bytes, the job's hash, the other bytes, every job's committed bytes. ARGV: reservation,
 # bytes, ttl, store-wide budget and job budget (-1: none), the job's reservation prefix. Returns {1} or
 # {0, which, stored, reserved} for the budget that would be crossed.
 _RESERVE = """
@@ -63,10 +64,7 @@ for i = 1, #all, 2 do
   reserved = reserved + bytes
   if string.sub(all[i], 1, #ARGV[6]) == ARGV[6] then job_reserved = job_reserved + bytes end
 end
-local stored = tonumber(redis.call('GET', KEYS[4]) or '0')
-for i = 5, #KEYS do
-  stored = stored + tonumber(redis.call('HGET', KEYS[i], 'bytes_stored') or '0')
-end
+local stored = tonumber(redis.call('GET', KEYS[4]) or '0') + tonumber(redis.call('GET', KEYS[5]) or '0')
 local job_stored = tonumber(redis.call('HGET', KEYS[3], 'bytes_stored') or '0')
 local wanted = tonumber(ARGV[2])
 if tonumber(ARGV[4]) >= 0 and stored + reserved + wanted > tonumber(ARGV[4]) then
@@ -114,10 +112,7 @@ def stored_bytes(client: redis.Redis) -> int:
 
 def samples_bytes(client: redis.Redis) -> int:
     """Every job's committed samples (the sizes in its manifests), as Redis counts them at each commit."""
-    with client.pipeline() as pipe:
-        for job_id in progress.all_job_ids(client):
-            pipe.hget(progress.job_key(job_id), progress.BYTES_STORED)
-        return sum(int(v) for v in pipe.execute() if v is not None)
+    return progress.bytes_stored_total(client)
 
 
 def other_bytes(client: redis.Redis) -> int:
@@ -132,7 +127,7 @@ def measure_other_bytes(client: redis.Redis, storage: Storage) -> int:
     measurement. The samples are read after the listing: a running shard's files written but not yet committed count
     here as well as in its reservation until then, which errs on the side of the budget."""
     total = storage.total_size()
-    other = max(0, total - samples_bytes(client))
+    other = max(0, total - progress.recount_bytes_stored(client))  # recounted: the kept total cannot drift for long
     client.set(OTHER_BYTES_KEY, other)
     return other
 
@@ -186,15 +181,15 @@ def reserve(client: redis.Redis, settings: Settings, job: JobRecord, shard_index
     store, own = store_budget(client, settings), job_budget(client, job)
     if store is None and own is None:
         return False
-    job_hashes = [progress.job_key(job_id) for job_id in progress.all_job_ids(client)]
+    progress.bytes_stored_total(client)  # the kept total exists (recounted once where Redis has none yet)
     reply = client.eval(
         _RESERVE,
-        4 + len(job_hashes),
+        5,
         RESERVATIONS,
         RESERVED,
         progress.job_key(job.job_id),
         OTHER_BYTES_KEY,
-        *job_hashes,
+        progress.BYTES_STORED_TOTAL,
         reservation(job.job_id, shard_index),
         nbytes,
         math.ceil(settings.visibility_timeout_s),  # the longest a shard may run

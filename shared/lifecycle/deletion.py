@@ -161,6 +161,7 @@ def delete_job(
         pipe.delete(progress.job_key(job_id))
         pipe.zrem(progress.JOBS_INDEX, job_id)
         removed = pipe.execute()
+    progress.recount_bytes_stored(client)  # the job's bytes leave what the storage budget counts
     storage.delete(layout.job_index_entry(job_id))
     logger.warning("deleted job %s: %d objects (%d kept under trainer/)", job_id, deleted, len(kept))
     return DeleteReport(

@@ -34,6 +34,10 @@ from shared.storage.objects import Storage
 logger = logging.getLogger(__name__)
 
 JOBS_INDEX = "eagle3:jobs"
+# Every job's bytes_stored summed: kept by each commit, recounted from the jobs' hashes where a job's bytes change
+# otherwise (a rebuild, a delete) and by the producer's upkeep; what the storage budget reads once a shard, where
+# summing the hashes would cost a read of every job Redis keeps.
+BYTES_STORED_TOTAL = "eagle3:bytes-stored"
 # Fields of the job hash that modules besides this one read or write (through the functions below where they write).
 BYTES_STORED = "bytes_stored"  # committed samples' bytes, what the storage budgets count (shared/lifecycle/budget.py)
 CANCELLED = "cancelled"
@@ -139,6 +143,7 @@ redis.call('HINCRBY', KEYS[1], 'shards_committed', 1)
 redis.call('HINCRBY', KEYS[1], 'samples_done', ARGV[2])
 redis.call('HINCRBY', KEYS[1], 'tokens_done', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'bytes_stored', ARGV[4])
+redis.call('INCRBY', KEYS[5], ARGV[4])
 for i = 6, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
 end
@@ -211,7 +216,30 @@ def record_commit(client: redis.Redis, manifest: Manifest | RegenerationManifest
     ]
     for name, value in getattr(manifest, "counters", {}).items():
         args += [name, value]
-    return bool(client.eval(_RECORD_COMMIT, 4, *_keys(manifest.job_id), *args))
+    return bool(client.eval(_RECORD_COMMIT, 5, *_keys(manifest.job_id), BYTES_STORED_TOTAL, *args))
+
+
+# KEYS: the total, then every job's hash. One script: no commit's increment lands between the sum and the write.
+_RECOUNT_BYTES_STORED = """
+local total = 0
+for i = 2, #KEYS do
+  total = total + tonumber(redis.call('HGET', KEYS[i], 'bytes_stored') or '0')
+end
+redis.call('SET', KEYS[1], total)
+return total
+"""
+
+
+def recount_bytes_stored(client: redis.Redis) -> int:
+    """BYTES_STORED_TOTAL summed again from every job's hash; returns it."""
+    hashes = [job_key(job_id) for job_id in all_job_ids(client)]
+    return int(client.eval(_RECOUNT_BYTES_STORED, 1 + len(hashes), BYTES_STORED_TOTAL, *hashes))
+
+
+def bytes_stored_total(client: redis.Redis) -> int:
+    """Every job's committed bytes: the kept total, recounted first where Redis has none yet."""
+    value = client.get(BYTES_STORED_TOTAL)
+    return int(value) if value is not None else recount_bytes_stored(client)
 
 
 AnyManifest = TypeVar("AnyManifest", Manifest, RegenerationManifest)
@@ -357,6 +385,7 @@ def rebuild(client: redis.Redis, storage: Storage, job: JobRecord, kind: Counted
             pipe.hincrby(job_key(job.job_id), "samples_failed", samples)
             pipe.hincrby(job_key(job.job_id), "tokens_failed", tokens)
         pipe.execute()
+    recount_bytes_stored(client)  # the job's bytes were counted anew
 
 
 def committed_shards(client: redis.Redis, job_id: str) -> set[int]:

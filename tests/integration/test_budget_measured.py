@@ -55,3 +55,22 @@ def test_the_store_measures_its_bytes_without_writes_in_progress(tmp_path: Path,
         if storage.url.startswith("file://"):  # a write's temporary file is no object yet
             (tmp_path / "store" / "job-a" / f"{RESERVED_PREFIX}tmp").write_bytes(b"t" * 999)
             assert storage.total_size() == 123 + 4567 + 10
+
+
+def test_the_kept_total_follows_commits_and_a_recount_sets_it_right(client: redis.Redis) -> None:
+    """The budget reads one kept total, not every job's hash: each commit adds to it (a repeated commit does not), a
+    recount sums the hashes again (a rebuild, a delete and the producer's upkeep recount), and a Redis without the
+    total (a new one, or one from before it was kept) gets it recounted at its first read."""
+    job = make_job(shards=4)
+    progress.register_job(client, job, "file:///tmp/x", EXTRACT)
+    for shard in (0, 1, 1):  # shard 1 committed twice, counted once
+        progress.record_commit(client, make_manifest(shard, nbytes=1000))
+    assert progress.bytes_stored_total(client) == 2000 == budget.samples_bytes(client)
+    client.set(progress.BYTES_STORED_TOTAL, 12345)  # drifted, by whatever means
+    assert progress.recount_bytes_stored(client) == 2000
+    client.delete(progress.BYTES_STORED_TOTAL)
+    assert progress.bytes_stored_total(client) == 2000 and client.get(progress.BYTES_STORED_TOTAL) == b"2000"
+    settings = Settings(storage_budget_bytes=2500)
+    with pytest.raises(OverStorageBudget):
+        budget.reserve(client, settings, job, 2, 1000)  # 2,000 + 1,000 > 2,500, from the total alone
+    assert budget.reserve(client, settings, job, 2, 500)
