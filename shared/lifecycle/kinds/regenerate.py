@@ -77,9 +77,10 @@ logger = logging.getLogger(__name__)
 
 
 class RegenerateOptions(KindOptions):
-    CLI_ELSEWHERE = ("output_url",)  # `eagle3 regenerate --out`
     """A regenerate job's options (docs/regeneration.md): how the target rewrites every assistant turn. JobSpec's
     extraction fields then apply to the chained extraction job (then_extract)."""
+
+    CLI_ELSEWHERE = ("output_url",)  # `eagle3 regenerate --out`
 
     max_new_tokens: int = Field(default=2048, ge=1, description="per regenerated assistant turn")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
