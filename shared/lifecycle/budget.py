@@ -45,9 +45,10 @@ RESERVED = "eagle3:budget:reserved"  # hash: "{job_id}|{shard}" -> bytes
 OTHER_BYTES_KEY = "eagle3:budget:other-bytes"
 
 # KEYS: reservations, reserved bytes, the job's hash, the other bytes, every job's committed bytes. ARGV: reservation,
-# bytes, ttl, store-wide budget and job budget (-1: none), the job's reservation prefix. Returns {1} or
-# {0, which, stored, reserved} for the budget that would be crossed.
+# bytes, ttl, store-wide budget and job budget (-1: none), the job's reservation prefix. Returns {1}, {0, which,
+# stored, reserved} for the budget that would be crossed, or {-1} where Redis keeps no total yet (nothing changed).
 _RESERVE = """
+if redis.call('EXISTS', KEYS[5]) == 0 then return {-1} end
 local t = redis.call('TIME')
 local now = tonumber(t[1])
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
@@ -181,15 +182,8 @@ def reserve(client: redis.Redis, settings: Settings, job: JobRecord, shard_index
     store, own = store_budget(client, settings), job_budget(client, job)
     if store is None and own is None:
         return False
-    progress.bytes_stored_total(client)  # the kept total exists (recounted once where Redis has none yet)
-    reply = client.eval(
-        _RESERVE,
-        5,
-        RESERVATIONS,
-        RESERVED,
-        progress.job_key(job.job_id),
-        OTHER_BYTES_KEY,
-        progress.BYTES_STORED_TOTAL,
+    keys = (RESERVATIONS, RESERVED, progress.job_key(job.job_id), OTHER_BYTES_KEY, progress.BYTES_STORED_TOTAL)
+    args = (
         reservation(job.job_id, shard_index),
         nbytes,
         math.ceil(settings.visibility_timeout_s),  # the longest a shard may run
@@ -197,6 +191,10 @@ def reserve(client: redis.Redis, settings: Settings, job: JobRecord, shard_index
         -1 if own is None else own,
         _prefix(job.job_id),
     )
+    reply = client.eval(_RESERVE, len(keys), *keys, *args)
+    if reply[0] == -1:  # a Redis without the kept total (new, or from before it was kept): recounted, asked again
+        progress.recount_bytes_stored(client)
+        reply = client.eval(_RESERVE, len(keys), *keys, *args)
     if reply[0] == 1:
         return True
     which, stored, reserved = reply[1].decode(), int(reply[2]), int(reply[3])

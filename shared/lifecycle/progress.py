@@ -278,13 +278,10 @@ def is_finalized(client: redis.Redis, job_id: str) -> bool:
     return client.hget(job_key(job_id), FINALIZED) == b"1"
 
 
-def retry_failed_finalize(client: redis.Redis, job_id: str) -> bool:
-    """A resume of a job whose last step failed: the error and the finalized mark go, so that the step runs again.
-    True when there was such an error."""
-    if not client.hdel(job_key(job_id), FINALIZE_ERROR):
-        return False
-    client.hdel(job_key(job_id), FINALIZED)
-    return True
+def retry_failed_finalize(client: redis.Redis, job_id: str) -> None:
+    """A resume of a job whose last step failed: the error and the finalized mark go, so that the step runs again."""
+    if client.hdel(job_key(job_id), FINALIZE_ERROR):
+        client.hdel(job_key(job_id), FINALIZED)
 
 
 def record_finalize_error(client: redis.Redis, job_id: str, error: str) -> None:

@@ -74,3 +74,7 @@ def test_the_kept_total_follows_commits_and_a_recount_sets_it_right(client: redi
     with pytest.raises(OverStorageBudget):
         budget.reserve(client, settings, job, 2, 1000)  # 2,000 + 1,000 > 2,500, from the total alone
     assert budget.reserve(client, settings, job, 2, 500)
+    client.delete(progress.BYTES_STORED_TOTAL)  # a reservation on a Redis without the total recounts it first
+    with pytest.raises(OverStorageBudget):
+        budget.reserve(client, settings, job, 3, 1000)
+    assert client.get(progress.BYTES_STORED_TOTAL) == b"2000"
