@@ -9,9 +9,10 @@ Compares, on random data (no model files: the embedding and the target head are 
 - a torch.profiler table of one step at each shape, and its kernel time by kind (matmuls, attention, compiled
   kernels, ...).
 
-Variants: eager (eager attention, eager loss), fast (sdpa attention, fused loss), fast+compile (fast plus
-`Eagle3Drafter.compile_backbone` and the TTT attention's diagonal merges compiled: the trainer's default on CUDA),
-fast+compile+eager-merge (that with the merges as written). It imports only torch and the trainer's drafter and
+Variants: eager (eager attention, eager loss), fast (sdpa attention, fused loss, the TTT attention's diagonal merges
+as Triton kernels), fast+compile (fast plus `Eagle3Drafter.compile_backbone`: the trainer's default on CUDA),
+fast+compile+compiled-merge and fast+compile+eager-merge (that with the merges compiled by Inductor, or as written).
+It imports only torch and the trainer's drafter and
 loss modules, and writes JSON after every measurement, so a run cut short still leaves its numbers.
 
     PYTHONUNBUFFERED=1 python -m bench.ttt_step_profile --out /tmp/ttt_step_profile
@@ -35,12 +36,14 @@ TTT_LENGTH = 7
 SHAPES = [(1, 2048), (4, 2048)]
 DEVICE = torch.device("cuda")  # --smoke: a tiny model on the CPU, to check this script without a GPU
 SPECFORGE_TOKENS_PER_S = {(1, 2048): 17532, (4, 2048): 24187}  # docs/benchmarks.md, one H100
-VARIANTS = {  # name: (attn_implementation, loss_implementation, compile_backbone, compiled TTT attention merges)
-    "eager": ("eager", "eager", False, False),
-    "fast": ("sdpa", "fused", False, False),
-    "fast+compile": ("sdpa", "fused", True, True),
-    # the TTT attention's diagonal merges as written (`drafter.COMPILE_MERGE_ON_CUDA` off), beside the default
-    "fast+compile+eager-merge": ("sdpa", "fused", True, False),
+# name: (attn_implementation, loss_implementation, compile_backbone, the TTT attention's merges on CUDA)
+VARIANTS = {
+    "eager": ("eager", "eager", False, "eager"),
+    "fast": ("sdpa", "fused", False, "triton"),
+    "fast+compile": ("sdpa", "fused", True, "triton"),
+    # the TTT attention's diagonal merges compiled by Inductor or as written (`drafter.MERGE_KERNELS_ON_CUDA`)
+    "fast+compile+compiled-merge": ("sdpa", "fused", True, "compiled"),
+    "fast+compile+eager-merge": ("sdpa", "fused", True, "eager"),
 }
 
 
@@ -116,9 +119,9 @@ def random_batch(config: DrafterConfig, B: int, T: int, device: torch.device, se
 def set_variant(drafter: Eagle3Drafter, name: str) -> str:
     """Switch a built drafter to a variant; returns its loss_implementation. Compiling is undone for the variants
     without it by setting the modules' compiled call aside (nn.Module.compile keeps it in `_compiled_call_impl`)."""
-    attn_implementation, loss_implementation, compile_backbone, compiled_merges = VARIANTS[name]
+    attn_implementation, loss_implementation, compile_backbone, merge_kernels = VARIANTS[name]
     drafter.config.attn_implementation = attn_implementation
-    drafter_module.COMPILE_MERGE_ON_CUDA = compiled_merges
+    drafter_module.MERGE_KERNELS_ON_CUDA = merge_kernels
     modules = (drafter.midlayer, drafter.norm)
     if compile_backbone and not hasattr(drafter, "compiled_calls"):
         drafter.compile_backbone()

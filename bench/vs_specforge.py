@@ -292,8 +292,8 @@ class OursVariant:
 
     compile_backbone: bool | None = None
     recompute_mlp: bool = False
-    # the TTT attention's diagonal merges compiled on CUDA (None: `drafter.COMPILE_MERGE_ON_CUDA` as it is)
-    compiled_merges: bool | None = None
+    # which kernels run the TTT attention's diagonal merges on CUDA (None: `drafter.MERGE_KERNELS_ON_CUDA` as it is)
+    merge_kernels: str | None = None
     # the fused kernel of step 0's causal block on CUDA (None: `drafter.CAUSAL_BLOCK_KERNEL` as it is)
     causal_block_kernel: str | None = None
     # cuDNN reading the key-value heads as they are (None: `drafter.CUDNN_GROUPED_HEADS` as it is)
@@ -313,7 +313,8 @@ OURS_VARIANTS = {
     OURS_REFERENCE: OursVariant(compile_backbone=False),
     "compile": OursVariant(compile_backbone=True),
     "recompute_mlp": OursVariant(recompute_mlp=True),
-    "eager_merges": OursVariant(compiled_merges=False),
+    "compiled_merges": OursVariant(merge_kernels="compiled"),
+    "eager_merges": OursVariant(merge_kernels="eager"),
     "flash_attention": OursVariant(causal_block_kernel="flash"),
     "cudnn_attention": OursVariant(causal_block_kernel="cudnn"),
     "repeated_kv_heads": OursVariant(cudnn_grouped_heads=False),
@@ -338,7 +339,7 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
     drafter.config.recompute_mlp = setup.recompute_mlp
     # Module-level switches: (module, name, this variant's value or None for the default)
     switches = [
-        (drafter_module, "COMPILE_MERGE_ON_CUDA", setup.compiled_merges),
+        (drafter_module, "MERGE_KERNELS_ON_CUDA", setup.merge_kernels),
         (drafter_module, "CAUSAL_BLOCK_KERNEL", setup.causal_block_kernel),
         (drafter_module, "CUDNN_GROUPED_HEADS", setup.cudnn_grouped_heads),
         (loss_module, "SUM_IN_FP32_ON_CUDA", setup.head_sums_in_fp32),

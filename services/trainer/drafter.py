@@ -493,11 +493,14 @@ def diagonal_merge_backward(
     return _by_head(grad_q.to(query.dtype)), grad_keys, grad_values
 
 
-# Compiled, each merge becomes a few fused kernels reading the bf16 tensors once, where as written every fp32 upcast
-# and intermediate is a tensor of its own (about 2 GB written per unrolled step at 8,192 tokens and 8B dims): 3% less
-# step time at 1x8192 on an H100, the same at 2,048 tokens (docs/benchmarks.md). The CPU runs the merges as written
-# and traces the compiled forms in the tests.
-COMPILE_MERGE_ON_CUDA = True
+# Which merges run on CUDA: "triton" (services/trainer/merge_kernels.py: one pass over each row's inputs, its softmax
+# in registers), "compiled" (Inductor's kernels from the expressions above: each merge a few fused kernels reading the
+# bf16 tensors once, but 4-7x slower than the bytes they move at 8B dims) or "eager" (as written: every fp32 upcast
+# and intermediate a tensor of its own, about 2 GB written per unrolled step at 8,192 tokens and 8B dims). The CPU
+# runs the merges as written, and the tests trace the compiled forms there and run the Triton kernels in Triton's
+# interpreter. `bench/vs_specforge.py` times each (variants `compiled_merges`, `eager_merges`) beside the default.
+MERGE_KERNELS_ON_CUDA = "triton"
+MERGE_KERNELS = ("triton", "compiled", "eager")
 
 
 @functools.cache
@@ -506,8 +509,16 @@ def _compiled_merges() -> tuple[Callable, Callable]:
     return torch.compile(diagonal_merge_forward, dynamic=True), torch.compile(diagonal_merge_backward, dynamic=True)
 
 
+def _triton_merges() -> tuple[Callable, Callable]:
+    from services.trainer import merge_kernels  # Triton is there only beside a CUDA build of torch
+
+    return merge_kernels.diagonal_merge_forward, merge_kernels.diagonal_merge_backward
+
+
 def _merges(x: Tensor) -> tuple[Callable, Callable]:
-    if x.is_cuda and COMPILE_MERGE_ON_CUDA:
+    if x.is_cuda and MERGE_KERNELS_ON_CUDA == "triton":
+        return _triton_merges()
+    if x.is_cuda and MERGE_KERNELS_ON_CUDA == "compiled":
         return _compiled_merges()
     return diagonal_merge_forward, diagonal_merge_backward
 

@@ -306,8 +306,8 @@ def test_sdpa_ttt_attention_matches_eager_forward_and_backward(steps: int) -> No
 
 @pytest.mark.parametrize("steps", [2, 5])
 def test_sdpa_ttt_attention_with_traced_merges_matches_eager(steps: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Compiled (CUDA with COMPILE_MERGE_ON_CUDA), the diagonal merges take their summed-product forms (`_row_scores`,
-    # ...); aot_eager traces them the same way on the CPU, without a C++ compiler.
+    # Compiled (CUDA with MERGE_KERNELS_ON_CUDA "compiled"), the diagonal merges take their summed-product forms
+    # (`_row_scores`, ...); aot_eager traces them the same way on the CPU, without a C++ compiler.
     compiled = tuple(
         torch.compile(merge, backend="aot_eager", dynamic=True)
         for merge in (drafter_module.diagonal_merge_forward, drafter_module.diagonal_merge_backward)
@@ -328,12 +328,12 @@ def test_sdpa_ttt_attention_with_traced_merges_matches_eager(steps: int, monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel path needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", drafter_module.CAUSAL_BLOCK_KERNELS)
-@pytest.mark.parametrize("compiled_merges", [False, True])
+@pytest.mark.parametrize("merge_kernels", drafter_module.MERGE_KERNELS)
 @pytest.mark.parametrize("steps", [1, 3])
 def test_sdpa_ttt_attention_matches_eager_on_cuda_in_bf16(
-    steps: int, compiled_merges: bool, kernel: str, monkeypatch: pytest.MonkeyPatch
+    steps: int, merge_kernels: str, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(drafter_module, "COMPILE_MERGE_ON_CUDA", compiled_merges)  # Inductor's kernels when True
+    monkeypatch.setattr(drafter_module, "MERGE_KERNELS_ON_CUDA", merge_kernels)
     monkeypatch.setattr(drafter_module, "CAUSAL_BLOCK_KERNEL", kernel)
     reference = ttt_attention_outputs_and_grads(ttt_attention, steps, dtype=torch.float32, device="cuda")
     for attention in (ttt_attention, ttt_attention_sdpa):

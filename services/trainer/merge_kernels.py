@@ -1,0 +1,214 @@
+"""The TTT attention's diagonal merges as Triton kernels: `drafter.diagonal_merge_forward` and
+`drafter.diagonal_merge_backward`, each row's work done in registers in one pass over its inputs.
+
+Row t of unrolled step i attends step 0's causal block (a fused attention kernel gives its output out0 and logsumexp
+lse0) and its own keys and values of steps 1..i. For the G query heads that share a key-value head, a program takes
+BLOCK_T rows, loads each later key and value row once per head and keeps the softmax's running maximum and sum
+(online softmax), so nothing of size (rows x G x i) or any fp32 copy of an input is written to memory. Inductor's
+compiled merges, from the same tensor expressions, wrote several intermediates and ran 4-7x slower than the bytes they
+move (1.39 ms a backward at 1x8192 and 8B dims on an H100: docs/benchmarks.md).
+
+Backward is two kernels: the first computes the query's gradient and each (row, head, step)'s probability p and
+score gradient ds (small fp32 tensors); the second sums p x dout and ds x query over the G heads of each key-value
+head into the later keys' and values' gradients. Everything is fp32 inside, bf16 or fp16 (or fp32) in and out.
+
+Imported only where Triton is: on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Rows a program takes. 32 rows of a 128-wide head keep the four [rows, D] fp32 tiles a loop holds in registers.
+BLOCK_T = 32
+
+
+@triton.jit
+def _merge_forward_kernel(
+    query, out0, lse0, keys, values, out, lse,
+    T, scale,
+    q_sb, q_sh, q_st, o0_sb, o0_sh, o0_st, o_sb, o_sh, o_st, l0_sb, l0_sh, l_sb, l_sh,
+    k_sb, k_sh, k_st, k_si, v_sb, v_sh, v_st, v_si,
+    G: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kv_head, b = tl.program_id(1), tl.program_id(2)
+    cols = tl.arange(0, BLOCK_D)
+    row_in, col_in = rows < T, cols < D
+    tile_in = row_in[:, None] & col_in[None, :]
+    for g in tl.static_range(G):
+        h = kv_head * G + g
+        q = tl.load(query + b * q_sb + h * q_sh + rows[:, None] * q_st + cols[None, :], tile_in, other=0.0)
+        q = q.to(tl.float32)
+        acc = tl.load(out0 + b * o0_sb + h * o0_sh + rows[:, None] * o0_st + cols[None, :], tile_in, other=0.0)
+        acc = acc.to(tl.float32)
+        # Online softmax over [step 0's block, the later steps' own keys]: m the running maximum, s the running sum
+        # of exp(score - m); step 0's block enters as the single score lse0 with output out0.
+        m = tl.load(lse0 + b * l0_sb + h * l0_sh + rows, row_in, other=0.0)
+        s = tl.full([BLOCK_T], 1.0, tl.float32)
+        for j in tl.static_range(STEPS):
+            k = tl.load(
+                keys + b * k_sb + kv_head * k_sh + rows[:, None] * k_st + j * k_si + cols[None, :], tile_in, 0.0
+            )
+            score = tl.sum(q * k.to(tl.float32), axis=1) * scale
+            m_next = tl.maximum(m, score)
+            rescale, p = tl.exp(m - m_next), tl.exp(score - m_next)
+            v = tl.load(
+                values + b * v_sb + kv_head * v_sh + rows[:, None] * v_st + j * v_si + cols[None, :], tile_in, 0.0
+            )
+            acc = acc * rescale[:, None] + p[:, None] * v.to(tl.float32)
+            s = s * rescale + p
+            m = m_next
+        o = acc / s[:, None]
+        tl.store(out + b * o_sb + h * o_sh + rows[:, None] * o_st + cols[None, :], o.to(out.dtype.element_ty), tile_in)
+        tl.store(lse + b * l_sb + h * l_sh + rows, m + tl.log(s), row_in)
+
+
+@triton.jit
+def _merge_backward_query_kernel(
+    grad_out, grad_query0, query, out, lse, keys, values, grad_query, probs, grad_scores,
+    T, NKV, scale,
+    go_sb, go_sh, go_st, gq0_sb, gq0_sh, gq0_st, q_sb, q_sh, q_st, o_sb, o_sh, o_st, l_sb, l_sh,
+    k_sb, k_sh, k_st, k_si, v_sb, v_sh, v_st, v_si, gq_sb, gq_sh, gq_st,
+    G: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kv_head, b = tl.program_id(1), tl.program_id(2)
+    cols = tl.arange(0, BLOCK_D)
+    row_in, col_in = rows < T, cols < D
+    tile_in = row_in[:, None] & col_in[None, :]
+    for g in tl.static_range(G):
+        h = kv_head * G + g
+        q = tl.load(query + b * q_sb + h * q_sh + rows[:, None] * q_st + cols[None, :], tile_in, other=0.0)
+        q = q.to(tl.float32)
+        dout = tl.load(grad_out + b * go_sb + h * go_sh + rows[:, None] * go_st + cols[None, :], tile_in, other=0.0)
+        dout = dout.to(tl.float32)
+        o = tl.load(out + b * o_sb + h * o_sh + rows[:, None] * o_st + cols[None, :], tile_in, other=0.0)
+        delta = tl.sum(dout * o.to(tl.float32), axis=1)  # rowsum(dout * out)
+        row_lse = tl.load(lse + b * l_sb + h * l_sh + rows, row_in, other=0.0)
+        acc = tl.load(grad_query0 + b * gq0_sb + h * gq0_sh + rows[:, None] * gq0_st + cols[None, :], tile_in, 0.0)
+        acc = acc.to(tl.float32)
+        for j in tl.static_range(STEPS):
+            k = tl.load(
+                keys + b * k_sb + kv_head * k_sh + rows[:, None] * k_st + j * k_si + cols[None, :], tile_in, 0.0
+            )
+            k = k.to(tl.float32)
+            v = tl.load(
+                values + b * v_sb + kv_head * v_sh + rows[:, None] * v_st + j * v_si + cols[None, :], tile_in, 0.0
+            )
+            p = tl.exp(tl.sum(q * k, axis=1) * scale - row_lse)
+            ds = p * (tl.sum(dout * v.to(tl.float32), axis=1) - delta)
+            acc += ds[:, None] * k * scale
+            # (B, nkv, G, STEPS, T): each (row, head, step)'s p and ds, contiguous over rows
+            at = (((b * NKV + kv_head) * G + g) * STEPS + j) * T + rows
+            tl.store(probs + at, p, row_in)
+            tl.store(grad_scores + at, ds, row_in)
+        gq = acc.to(grad_query.dtype.element_ty)
+        tl.store(grad_query + b * gq_sb + h * gq_sh + rows[:, None] * gq_st + cols[None, :], gq, tile_in)
+
+
+@triton.jit
+def _merge_backward_keys_kernel(
+    grad_out, query, probs, grad_scores, grad_keys, grad_values,
+    T, NKV, scale,
+    go_sb, go_sh, go_st, q_sb, q_sh, q_st,
+    gk_sb, gk_sh, gk_st, gk_si, gv_sb, gv_sh, gv_st, gv_si,
+    G: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    kv_head, b = tl.program_id(1), tl.program_id(2)
+    cols = tl.arange(0, BLOCK_D)
+    row_in, col_in = rows < T, cols < D
+    tile_in = row_in[:, None] & col_in[None, :]
+    for j in tl.static_range(STEPS):
+        grad_k = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        grad_v = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for g in tl.static_range(G):
+            h = kv_head * G + g
+            at = (((b * NKV + kv_head) * G + g) * STEPS + j) * T + rows
+            p = tl.load(probs + at, row_in, other=0.0)
+            ds = tl.load(grad_scores + at, row_in, other=0.0)
+            q = tl.load(query + b * q_sb + h * q_sh + rows[:, None] * q_st + cols[None, :], tile_in, other=0.0)
+            dout = tl.load(grad_out + b * go_sb + h * go_sh + rows[:, None] * go_st + cols[None, :], tile_in, 0.0)
+            grad_k += ds[:, None] * q.to(tl.float32)
+            grad_v += p[:, None] * dout.to(tl.float32)
+        gk = (grad_k * scale).to(grad_keys.dtype.element_ty)
+        tl.store(
+            grad_keys + b * gk_sb + kv_head * gk_sh + rows[:, None] * gk_st + j * gk_si + cols[None, :], gk, tile_in
+        )
+        gv = grad_v.to(grad_values.dtype.element_ty)
+        tl.store(
+            grad_values + b * gv_sb + kv_head * gv_sh + rows[:, None] * gv_st + j * gv_si + cols[None, :], gv, tile_in
+        )
+
+
+def _grid(query: Tensor, num_kv_heads: int) -> tuple[int, int, int]:
+    B, _, T, _ = query.shape
+    return triton.cdiv(T, BLOCK_T), num_kv_heads, B
+
+
+def _check_unit_stride(*tensors: Tensor) -> None:
+    for tensor in tensors:
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"the merge kernels read head dims contiguous; got strides {tensor.stride()}")
+
+
+def diagonal_merge_forward(
+    query: Tensor, later_keys: Tensor, later_values: Tensor, out0: Tensor, lse0: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """As `drafter.diagonal_merge_forward`: query, out0 (B, nh, T, D); later_keys / later_values (B, nkv, T, i, D);
+    lse0 fp32 (B, nh, T). Returns out (B, nh, T, D, laid out as the query) and the merged lse fp32 (B, nh, T)."""
+    B, nh, T, D = query.shape
+    nkv, steps = later_keys.shape[1], later_keys.shape[3]
+    _check_unit_stride(query, later_keys, later_values, out0)
+    out = torch.empty_like(query)
+    lse = torch.empty(B, nh, T, device=query.device, dtype=torch.float32)
+    lse0 = lse0.contiguous()
+    _merge_forward_kernel[_grid(query, nkv)](
+        query, out0, lse0, later_keys, later_values, out, lse,
+        T, scale,
+        *query.stride()[:3], *out0.stride()[:3], *out.stride()[:3], *lse0.stride()[:2], *lse.stride()[:2],
+        *later_keys.stride()[:4], *later_values.stride()[:4],
+        G=nh // nkv, STEPS=steps, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=BLOCK_T,
+    )  # fmt: skip
+    return out, lse
+
+
+def diagonal_merge_backward(
+    grad_out: Tensor,
+    grad_query0: Tensor,
+    query: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    later_keys: Tensor,
+    later_values: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """As `drafter.diagonal_merge_backward`: the query's whole gradient (B, nh, T, D, laid out as the query) and those
+    of the later keys and values (B, nkv, T, i, D), in the query's dtype."""
+    B, nh, T, D = query.shape
+    nkv, steps = later_keys.shape[1], later_keys.shape[3]
+    G = nh // nkv
+    _check_unit_stride(grad_out, grad_query0, query, out, later_keys, later_values)
+    lse = lse.contiguous()
+    grad_query = torch.empty_like(query)
+    probs = torch.empty(B, nkv, G, steps, T, device=query.device, dtype=torch.float32)
+    grad_scores = torch.empty_like(probs)
+    grad_keys = torch.empty(later_keys.shape, device=query.device, dtype=query.dtype)
+    grad_values = torch.empty(later_values.shape, device=query.device, dtype=query.dtype)
+    constants = {"G": G, "STEPS": steps, "D": D, "BLOCK_D": triton.next_power_of_2(D), "BLOCK_T": BLOCK_T}
+    _merge_backward_query_kernel[_grid(query, nkv)](
+        grad_out, grad_query0, query, out, lse, later_keys, later_values, grad_query, probs, grad_scores,
+        T, nkv, scale,
+        *grad_out.stride()[:3], *grad_query0.stride()[:3], *query.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
+        *later_keys.stride()[:4], *later_values.stride()[:4], *grad_query.stride()[:3],
+        **constants,
+    )  # fmt: skip
+    _merge_backward_keys_kernel[_grid(query, nkv)](
+        grad_out, query, probs, grad_scores, grad_keys, grad_values,
+        T, nkv, scale,
+        *grad_out.stride()[:3], *query.stride()[:3], *grad_keys.stride()[:4], *grad_values.stride()[:4],
+        **constants,
+    )  # fmt: skip
+    return grad_query, grad_keys, grad_values
