@@ -3,6 +3,8 @@ the checks a schema cannot make: GPU limits, shared memory, probes, KEDA's list 
 
 import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -19,9 +21,11 @@ from tests.deploy.tools import (
     OVERLAYS,
     OVERLAYS_WITHOUT_KEDA,
     REPO,
+    documented_trainer_start,
     find,
     parse_eagle3_command,
     render_kustomization,
+    tool,
 )
 
 # The newest Kubernetes the validator knows, and the oldest the manifests support (native sidecars: 1.29).
@@ -90,8 +94,14 @@ def _settings_data(docs: list[dict[str, Any]]) -> dict[str, str]:
     return maps[0]["data"]
 
 
+def _pod_template(doc: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of a workload; a CronJob's is inside its Job template."""
+    spec = doc["spec"]["jobTemplate"]["spec"] if doc["kind"] == "CronJob" else doc["spec"]
+    return spec["template"]
+
+
 def _pod_spec(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    return find(docs, kind, name)["spec"]["template"]["spec"]
+    return _pod_template(find(docs, kind, name))["spec"]
 
 
 def _container(pod: dict[str, Any], name: str, *, init: bool = False) -> dict[str, Any]:
@@ -103,9 +113,9 @@ def _container(pod: dict[str, Any], name: str, *, init: bool = False) -> dict[st
 
 def _workloads(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     return [
-        (f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["spec"])
+        (f"{d['kind']}/{d['metadata']['name']}", _pod_template(d)["spec"])
         for d in docs
-        if d["kind"] in ("Deployment", "StatefulSet", "Job", "DaemonSet")
+        if d["kind"] in ("Deployment", "StatefulSet", "Job", "CronJob", "DaemonSet")
     ]
 
 
@@ -298,7 +308,7 @@ def test_gpu_limit_is_on_the_inference_container_only(rendered: dict[str, list[d
         assert inference["resources"]["requests"]["nvidia.com/gpu"] == 1  # requests must equal limits
         assert "eagle3-sglang" in inference["image"]
         assert "command" not in inference, "the SGLang image starts itself"
-        assert _container(_pod_spec(docs, "Deployment", "trainer"), "trainer")["resources"]["limits"]["nvidia.com/gpu"]
+        assert _container(_pod_spec(docs, "CronJob", "trainer"), "trainer")["resources"]["limits"]["nvidia.com/gpu"]
     else:
         for _, any_pod in _workloads(docs):
             for c in any_pod.get("containers", []) + any_pod.get("initContainers", []):
@@ -316,6 +326,90 @@ def test_termination_grace_outlasts_soft_shutdown(rendered: dict[str, list[dict[
     env = {e["name"]: e.get("value") for e in _container(pod, "worker").get("env", [])}
     assert env["REMAP_SIGTERM"] == "SIGQUIT", "SIGTERM must start Celery's soft shutdown, which re-queues"
     assert pod["terminationGracePeriodSeconds"] >= 300, "longer than a shard"
+
+
+@pytest.mark.parametrize("variant", OVERLAYS)
+def test_trainer_is_a_job_template_that_runs_only_when_started(
+    rendered: dict[str, list[dict[str, Any]]], variant: str
+) -> None:
+    """The trainer runs to completion as one Job per run, made from a suspended CronJob (docs/deployment.md): nothing
+    trains on `kubectl apply -k`, a replacement pod resumes the same run, and the finished Job goes away on its own."""
+    docs = rendered[variant]
+    assert not [d for d in docs if d["kind"] != "CronJob" and d["metadata"]["name"] == "trainer"], "one trainer object"
+    cronjob = find(docs, "CronJob", "trainer")
+    assert cronjob["spec"]["suspend"] is True, "the template must never start a run on its schedule"
+    job = cronjob["spec"]["jobTemplate"]
+    spec = job["spec"]
+    # `kubectl create job --from` copies the template's labels onto the Job; the Job controller gives the pod its own.
+    for labels in (job["metadata"]["labels"], spec["template"]["metadata"]["labels"]):
+        assert labels["app.kubernetes.io/component"] == "trainer"
+        assert labels["app.kubernetes.io/part-of"] == "eagle3-factory", "delete -k and the live test find it by label"
+
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"  # podFailurePolicy needs it: a failed container is a failed pod
+    assert 1 <= spec["backoffLimit"] <= 6, "a failed pod is retried a few times, then the Job fails"
+    ignored = [r for r in spec["podFailurePolicy"]["rules"] if r["action"] == "Ignore"]
+    assert [c["type"] for r in ignored for c in r.get("onPodConditions", [])] == ["DisruptionTarget"], (
+        "an evicted or drained pod must not count as a failure"
+    )
+    assert spec["podReplacementPolicy"] == "Failed", "never two pods of one run at once"
+    assert spec["ttlSecondsAfterFinished"] >= 24 * 3600, "time to read the run's summary in its log"
+    assert "activeDeadlineSeconds" not in spec, "a run follows its job for as long as the job extracts"
+
+    trainer = _container(pod, "trainer")
+    args = parse_eagle3_command([c.replace("$(TRAIN_JOB)", "job-0") for c in trainer["command"]], "trainer")
+    assert args.command == "train" and trainer["command"][trainer["command"].index("--job") + 1] == "$(TRAIN_JOB)"
+    assert args.resume, "a replacement pod must continue from the run's latest checkpoint"
+    assert args.follow, "the trainer follows the job while it extracts"
+    # A plain value in the pod template, which `kubectl set env` rewrites in each Job before it is created.
+    (train_job,) = [e for e in trainer["env"] if e["name"] == "TRAIN_JOB"]
+    assert "valueFrom" not in train_job
+
+
+def test_documented_trainer_start_writes_the_job_id_into_the_job(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The docs' pipeline, stage by stage: the first asks the cluster for a Job made from the trainer template (the
+    live test runs it), the second writes the job id into that Job without a cluster (run here on the Job the
+    template makes), the third creates it. The result is a valid Job whose trainer trains that job."""
+    stages = [stage.strip() for stage in documented_trainer_start().split("|")]
+    assert len(stages) == 3, stages
+    make, set_env, create = (shlex.split(stage) for stage in stages)
+    cronjob = find(rendered["cpu-small"], "CronJob", "trainer")
+    assert make[:5] == ["kubectl", "-n", "eagle3", "create", "job"]
+    assert {f"--from=cronjob/{cronjob['metadata']['name']}", "--dry-run=client"} <= set(make)
+    assert create[:4] == ["kubectl", "-n", "eagle3", "create"]
+    assert set_env[:3] == ["kubectl", "set", "env"] and "--local" in set_env
+
+    # What `kubectl create job NAME --from=cronjob/trainer` builds (kubectl's createJobFromCronJob).
+    made = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": "trainer-run-1",
+            "namespace": "eagle3",
+            "annotations": {"cronjob.kubernetes.io/instantiate": "manual"},
+            "labels": cronjob["spec"]["jobTemplate"]["metadata"]["labels"],
+            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "CronJob", "name": "trainer", "uid": "0"}],
+        },
+        "spec": cronjob["spec"]["jobTemplate"]["spec"],
+    }
+    job_id = "Job_2026.12-07"  # a job id may hold what a Kubernetes name may not
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", stages[1]],
+        input=yaml.safe_dump(made),
+        env={**os.environ, "PATH": f"{tool('kubectl').parent}:{os.environ.get('PATH', '')}", "TRAIN_JOB": job_id},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    job = yaml.safe_load(result.stdout)
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(job, version, strict=True)
+    trainer = _container(job["spec"]["template"]["spec"], "trainer")
+    assert {"name": "TRAIN_JOB", "value": job_id} in trainer["env"]
+    assert job["metadata"]["ownerReferences"] == made["metadata"]["ownerReferences"], "delete -k must reach the Job"
+    unchanged = dict(job["spec"], template={**job["spec"]["template"], "spec": {}})
+    assert unchanged == dict(made["spec"], template={**made["spec"]["template"], "spec": {}})
 
 
 def test_pdb_covers_the_worker_pods(rendered: dict[str, list[dict[str, Any]]]) -> None:

@@ -108,6 +108,27 @@ def render_kustomization(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
+def documented_trainer_start() -> str:
+    """The shell pipeline docs/deployment.md (and the README) give to start a trainer run, continuation lines joined:
+    from the line that begins `kubectl -n eagle3 create job` to the first line without a trailing backslash. It reads
+    TRAIN_JOB and RUN from the environment. Every copy in the two files must be the same command."""
+    found = []
+    for doc in (REPO / "docs" / "deployment.md", REPO / "README.md"):
+        lines = doc.read_text().splitlines()
+        for start, line in enumerate(lines):
+            if not line.startswith("kubectl -n eagle3 create job "):
+                continue
+            words = []
+            for part in lines[start:]:
+                words += part.rstrip().removesuffix("\\").split()
+                if not part.rstrip().endswith("\\"):
+                    break
+            found.append(" ".join(words))
+    assert found, "docs/deployment.md gives no `kubectl -n eagle3 create job` command for the trainer"
+    assert len(set(found)) == 1, f"the docs start the trainer in different ways: {sorted(set(found))}"
+    return found[0]
+
+
 def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     matches = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(matches) == 1, f"expected one {kind}/{name}, found {len(matches)}"

@@ -42,7 +42,7 @@ from tests.compose.test_stack import (
     manifests_of,
     wait_for,
 )
-from tests.deploy.tools import K8S, render_kustomization
+from tests.deploy.tools import K8S, documented_trainer_start, render_kustomization
 from tests.fixtures.processes import free_port
 from tests.k8s.conftest import CLUSTER_TOOL, REPO, TIMINGS_S
 from tests.reference_checks import HFReference
@@ -552,34 +552,47 @@ def test_redis_pod_restart_mid_job_loses_nothing(cluster: Cluster, tmp_path: Pat
 
 
 def test_trainer_trains_on_a_job(cluster: Cluster) -> None:
+    """A trainer Job started as docs/deployment.md starts it, from the trainer template, on the three-worker job: it
+    completes with one pod that succeeded and none that failed, and its log ends with the run's summary."""
     job_id = JOBS.get("three workers")
     if job_id is None:
         pytest.fail("no finished job from test_three_workers_share_a_job to train on")
+    run = f"trainer-{secrets.token_hex(3)}"
     started = time.monotonic()
-    # As docs/deployment.md starts it.
-    cluster.k("set", "env", "deployment/trainer", f"TRAIN_JOB={job_id}")
-    cluster.k("scale", "deployment/trainer", "--replicas=1")
-    pod: dict[str, Any] = {}
+    # The docs' own commands (tests/deploy/tools.py reads them out of the page), run by bash with this cluster's
+    # kubectl first on PATH and the two variables the docs set.
+    start = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", documented_trainer_start()],
+        env={
+            **cluster.env,
+            "PATH": f"{cluster.kubectl_bin.parent}:{os.environ.get('PATH', '')}",
+            "TRAIN_JOB": job_id,
+            "RUN": run,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert start.returncode == 0, f"the documented trainer start failed: {start.stdout}{start.stderr}"
+    made = cluster.get("job", run)
+    assert [(o["kind"], o["name"]) for o in made["metadata"]["ownerReferences"]] == [("CronJob", "trainer")]
+    pods = f"batch.kubernetes.io/job-name={run}"
+    status: dict[str, Any] = {}
 
     def finished() -> bool:
-        items = [p for p in cluster.get("pods", "-l", "app.kubernetes.io/component=trainer")["items"]]
-        statuses = [s for p in items for s in p.get("status", {}).get("containerStatuses", [])]
-        if items and statuses:
-            pod.update(items[0])
-            status = statuses[0]
-            return "terminated" in status.get("state", {}) or "terminated" in status.get("lastState", {})
-        return False
+        status.clear()
+        status.update(cluster.get("job", run).get("status", {}))
+        ended = {c["type"] for c in status.get("conditions", []) if c["status"] == "True"} & {"Complete", "Failed"}
+        return bool(ended) or status.get("failed", 0) > 0  # a failed pod fails the test: no waiting for its retries
 
-    wait_for(finished, timeout_s=900, what="the trainer finishing its job", interval_s=2)
-    TIMINGS_S["trainer on job 2"] = time.monotonic() - started
-    status = pod["status"]["containerStatuses"][0]
-    terminated = status["state"].get("terminated") or status["lastState"]["terminated"]
-    # The Deployment restarts the container once it has exited, possibly between the status read and the log read:
-    # the finished run's logs are the current ones, or the previous ones once it has restarted.
-    logs = cluster.k("logs", pod["metadata"]["name"])
-    if "\n{" not in "\n" + logs:
-        logs = cluster.k("logs", pod["metadata"]["name"], "--previous")
-    assert terminated["exitCode"] == 0, logs[-3000:]
+    wait_for(finished, timeout_s=900, what=f"trainer Job {run} finishing its job", interval_s=2)
+    TIMINGS_S["trainer Job on job 2 (start to Complete)"] = time.monotonic() - started
+    conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+    if conditions.get("Complete") != "True" or status.get("succeeded") != 1 or status.get("failed", 0) != 0:
+        every_pod = cluster.kubectl("-n", NAMESPACE, "logs", "-l", pods, "--prefix", "--tail=100", check=False)
+        pytest.fail(f"trainer Job {run} did not complete cleanly: {status}\n{every_pod.stdout.decode()[-6000:]}")
+    assert len(cluster.get("pods", "-l", pods)["items"]) == 1, "one pod: nothing was retried"
+    logs = cluster.k("logs", f"job/{run}")  # as the docs read it
     # The summary is the last JSON object the trainer prints; kubectl logs interleaves stderr's log lines after it.
     text = "\n" + logs
     assert "\n{" in text, f"no summary in the trainer's logs:\n{logs[-3000:]}"
@@ -587,8 +600,10 @@ def test_trainer_trains_on_a_job(cluster: Cluster) -> None:
     assert summary["job_id"] == job_id
     assert summary["steps"] > 0 and summary["train_tokens"] > 0, summary
     assert summary["final_loss"] is not None and math.isfinite(summary["final_loss"]), summary
-    print(f"\ntrainer: {summary['steps']} steps, {summary['train_tokens']} tokens, final loss {summary['final_loss']}")
-    cluster.k("scale", "deployment/trainer", "--replicas=0")  # as the docs say: a Deployment restarts it otherwise
+    print(
+        f"\ntrainer Job {run}: Complete (1 pod succeeded, 0 failed); {summary['steps']} steps, "
+        f"{summary['train_tokens']} tokens, final loss {summary['final_loss']}"
+    )
 
 
 def test_delete_leaves_nothing_running(cluster: Cluster) -> None:
