@@ -9,6 +9,7 @@ One cluster is started for the module (its own state folder: fresh etcd and volu
 run in order against it, and the cluster is stopped and its folder removed at the end.
 """
 
+import contextlib
 import io
 import json
 import math
@@ -20,16 +21,20 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.data.demo_data import write_demo_dataset
+from shared.lifecycle import leases, progress
 from shared.lifecycle.jobs import load_job
 from shared.lifecycle.queue import SHARD_QUEUE
 from shared.storage.objects import Storage, open_storage
@@ -38,7 +43,6 @@ from tests.compose.test_stack import (
     EXPORT_JOB,
     FINISHED,
     check_job,
-    held_shard_container,
     manifests_of,
     wait_for,
 )
@@ -180,6 +184,33 @@ class Cluster:
         with tarfile.open(fileobj=io.BytesIO(result.stdout), mode="r:") as tar:
             tar.extractall(into, filter="data")
         return open_storage(into.as_uri())
+
+    @contextlib.contextmanager
+    def redis_client(self) -> Iterator[redis.Redis]:
+        """The stack's Redis through `kubectl port-forward pod/redis-0`: reads of a few milliseconds, where a
+        `kubectl exec redis-cli` takes a second on this machine."""
+        port = free_port()
+        forward = subprocess.Popen(
+            [str(self.kubectl_bin), "-n", NAMESPACE, "port-forward", "pod/redis-0", f"{port}:6379"],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+
+        def answers() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.RedisError:
+                return False
+
+        try:
+            wait_for(answers, 60, "Redis through kubectl port-forward pod/redis-0", interval_s=0.5)
+            yield client
+        finally:
+            client.close()
+            forward.terminate()
+            forward.wait(timeout=30)
 
     def worker_logs(self) -> str:
         """Every worker pod's Celery log as `<pod> | <line>`, the form the compose test's reader takes."""
@@ -494,27 +525,98 @@ def alive_workers(cluster: Cluster) -> set[str]:
     return {worker["name"] for worker in response.json()["workers"] if worker["alive"]}
 
 
+# A lease taken at most this long ago (Redis' clock) marks the victim: its shard has just started, so it is still
+# running when the delete reaches the API server a fraction of a second later.
+FRESH_LEASE_S = 1.0
+
+
+def live_leases(client: redis.Redis) -> tuple[float, list[leases.Lease]]:
+    """Redis' clock and the shard leases that have not expired by it: shards a worker holds and is renewing."""
+    seconds, microseconds = client.time()
+    now = seconds + microseconds / 1e6
+    live = []
+    for lease in leases.held(client):
+        expiry = client.zscore(leases.LEASES, lease.lease_id)
+        if expiry is not None and expiry > now:
+            live.append(lease)
+    return now, live
+
+
 def test_deleted_worker_pod_shard_is_committed_once(cluster: Cluster, tmp_path: Path) -> None:
-    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=24, seed=2)
-    job = cluster.submit(dataset, shard_token_budget=256)
-    victim: list[str] = []
+    """A worker pod deleted while it holds a live lease on a shard not yet committed: the job completes, and that
+    shard is committed exactly once, after the delete, by the terminating pod or by another one."""
+    # Shards of about 1,000 prompt tokens: seconds of work each on this CPU, against the fraction of a second between
+    # reading the victim's lease and the API server taking the delete.
+    dataset = write_demo_dataset(tmp_path / "demo.jsonl", num_conversations=48, seed=2)
+    pods = set(cluster.worker_pods())
+    chosen: dict[str, Any] = {}
 
-    def a_worker_holds_a_shard() -> bool:
-        pod = held_shard_container(cluster.worker_logs(), job["job_id"])
-        if pod:
-            victim.append(pod)
-        return bool(pod)
+    with cluster.redis_client() as client:  # before the submit: the first shards' leases are read as they are taken
+        job = cluster.submit(dataset, shard_token_budget=1024)
+        job_id = job["job_id"]
 
-    wait_for(a_worker_holds_a_shard, timeout_s=120, what="a worker pod holding a shard")
-    deleted_at = time.monotonic()
-    # A plain delete, as a drain or a scale-down does it: SIGTERM, Celery's soft shutdown finishes or re-queues
-    # the shard, the inference sidecar is stopped after the worker; the Deployment starts a replacement.
-    cluster.k("delete", "pod", victim[-1], "--wait=false")
-    progress = cluster.wait_finished(job["job_id"], timeout_s=600, why=f" after kubectl delete pod {victim[-1]}")
+        def a_pod_holds_a_shard_it_just_took() -> bool:
+            now, live = live_leases(client)
+            ours = [lease for lease in live if lease.job_id == job_id]
+            chosen["seen"] = [(lease.holder, lease.shard_index, round(now - lease.acquired_at, 2)) for lease in ours]
+            fresh = [
+                lease
+                for lease in ours
+                if lease.holder.split(":")[0] in pods  # holder: <hostname = pod name>:<pid>:<random>
+                and now - lease.acquired_at <= FRESH_LEASE_S
+                and not client.sismember(progress.committed_key(job_id), str(lease.shard_index))
+            ]
+            if fresh:
+                chosen["lease"] = max(fresh, key=lambda lease: lease.acquired_at)
+                chosen["age_s"] = now - chosen["lease"].acquired_at
+            return bool(fresh)
+
+        try:
+            wait_for(a_pod_holds_a_shard_it_just_took, 180, "a worker pod leasing a shard it just took", interval_s=0.1)
+        except pytest.fail.Exception:
+            pytest.fail(f"no worker pod of {sorted(pods)} took a shard of {job_id}; last leases seen: {chosen['seen']}")
+        lease: leases.Lease = chosen["lease"]
+        victim = lease.holder.split(":")[0]
+        delete_sent, deleted_at = time.time(), time.monotonic()  # time.time(): the pods' clock too (one kernel)
+        # A plain delete, as a drain or a scale-down does it: SIGTERM, Celery's soft shutdown finishes or re-queues
+        # the shard, the inference sidecar is stopped after the worker; the Deployment starts a replacement.
+        cluster.k("delete", "pod", victim, "--wait=false")
+        # The same delivery's lease (holder, delivery tag and time taken) still live once the API server has the
+        # delete: the victim held the shard through the delete.
+        held_after = lease in live_leases(client)[1]
+
+    final = cluster.wait_finished(job_id, timeout_s=600, why=f" after kubectl delete pod {victim}")
     TIMINGS_S["job 3: completed after a worker pod was deleted mid-shard"] = time.monotonic() - deleted_at
-    assert progress["state"] == "completed", progress
-    committed = exactly_once(cluster.export(job["job_id"], tmp_path / "storage"), job["job_id"])
-    print(f"\njob 3: {committed} samples committed exactly once; pod {victim[-1]} deleted while holding a shard")
+    assert final["state"] == "completed", final
+    storage = cluster.export(job_id, tmp_path / "storage")
+    committed = exactly_once(storage, job_id)
+
+    manifests = manifests_of(storage, job_id)
+    (manifest,) = [m for m in manifests if m.shard_index == lease.shard_index]
+    times_committed = Counter(s.sample_index for m in manifests for s in m.samples)
+    assert manifest.samples and all(times_committed[s.sample_index] == 1 for s in manifest.samples)
+    committed_after_s = datetime.fromisoformat(manifest.committed_at).timestamp() - delete_sent
+    committer = manifest.worker.split(":")[0]  # <hostname>:<pid>
+    assert committed_after_s > 0, (
+        f"shard {lease.shard_index} was committed {-committed_after_s:.2f}s before pod {victim} was deleted: the pod "
+        "held no shard in flight"
+    )
+    assert held_after or committer == victim, (
+        f"shard {lease.shard_index}: pod {victim}'s lease was gone right after the delete, and pod {committer} "
+        "committed it: the victim may have dropped it before the delete"
+    )
+    how = (
+        f"finished by the terminating pod {victim} in its soft shutdown"
+        if committer == victim
+        else f"re-run by worker pod {committer}"
+    )
+    print(
+        f"\njob 3: pod {victim} deleted while holding shard {lease.shard_index} of {job['shards_total']} (lease taken "
+        f"{chosen['age_s']:.2f}s before, {'still held' if held_after else 'released'} when the delete returned); "
+        f"shard {lease.shard_index} committed exactly once ({len(manifest.samples)} samples, each once) "
+        f"{committed_after_s:.1f}s after the delete, {how}; {committed} samples of the job committed exactly once, "
+        f"{final.get('shards_rerun', 0)} shard run(s) repeated"
+    )
 
 
 def test_redis_pod_restart_mid_job_loses_nothing(cluster: Cluster, tmp_path: Path) -> None:
