@@ -302,6 +302,8 @@ class OursVariant:
     head_sums_in_fp32: bool | None = None
     # the least share of a step's rows the MLP skips (None: `loss.MIN_SKIPPED_ROWS` as it is; 0: any)
     min_skipped_rows: float | None = None
+    # which kernel computes each step's soft cross-entropy on CUDA (None: `loss.SOFT_CROSS_ENTROPY_ON_CUDA` as it is)
+    soft_cross_entropy: str | None = None
 
 
 # Ours as the trainer runs by default, and besides it on request (--ours-variants). "eager" is the readable reference
@@ -320,6 +322,7 @@ OURS_VARIANTS = {
     "repeated_kv_heads": OursVariant(cudnn_grouped_heads=False),
     "bf16_head_sums": OursVariant(head_sums_in_fp32=False),
     "mlp_skips_any_row": OursVariant(min_skipped_rows=0.0),
+    "compiled_cross_entropy": OursVariant(soft_cross_entropy="compiled"),
 }
 
 
@@ -344,6 +347,7 @@ def ours_as(models: Models, variant: str, device: torch.device) -> Iterator[Eagl
         (drafter_module, "CUDNN_GROUPED_HEADS", setup.cudnn_grouped_heads),
         (loss_module, "SUM_IN_FP32_ON_CUDA", setup.head_sums_in_fp32),
         (loss_module, "MIN_SKIPPED_ROWS", setup.min_skipped_rows),
+        (loss_module, "SOFT_CROSS_ENTROPY_ON_CUDA", setup.soft_cross_entropy),
     ]
     defaults = [getattr(module, name) for module, name, _ in switches]
     for module, name, value in switches:

@@ -493,7 +493,7 @@ def diagonal_merge_backward(
     return _by_head(grad_q.to(query.dtype)), grad_keys, grad_values
 
 
-# Which merges run on CUDA: "triton" (services/trainer/merge_kernels.py: one pass over each row's inputs, its softmax
+# Which merges run on CUDA: "triton" (services/trainer/kernels.py: one pass over each row's inputs, its softmax
 # in registers), "compiled" (Inductor's kernels from the expressions above: each merge a few fused kernels reading the
 # bf16 tensors once, but 4-7x slower than the bytes they move at 8B dims) or "eager" (as written: every fp32 upcast
 # and intermediate a tensor of its own, about 2 GB written per unrolled step at 8,192 tokens and 8B dims). The CPU
@@ -510,9 +510,9 @@ def _compiled_merges() -> tuple[Callable, Callable]:
 
 
 def _triton_merges() -> tuple[Callable, Callable]:
-    from services.trainer import merge_kernels  # Triton is there only beside a CUDA build of torch
+    from services.trainer import kernels  # Triton is there only beside a CUDA build of torch
 
-    return merge_kernels.diagonal_merge_forward, merge_kernels.diagonal_merge_backward
+    return kernels.diagonal_merge_forward, kernels.diagonal_merge_backward
 
 
 def _merges(x: Tensor) -> tuple[Callable, Callable]:

@@ -117,9 +117,12 @@ def soft_cross_entropy_with_grad(logits: Tensor, teacher_p: Tensor, weight: Tens
     return (cross_entropy * weight).sum(), grad.to(logits.dtype), logits.argmax(-1)
 
 
-# On CUDA the kernel above is compiled into one fused reduction over the vocabulary; elsewhere (tests, fp32 CPU runs) it
-# runs as written. Set to False to run it as written on CUDA too, e.g. where torch.compile is unavailable.
-COMPILE_KERNEL_ON_CUDA = True
+# Which kernel computes it on CUDA: "triton" (services/trainer/kernels.py: two passes over each row's logits and
+# teacher, the logsumexp online), "compiled" (Inductor's fused reduction from the expressions above, which reads each
+# row several times: 3.2 ms a step at 1x8192 on an H200, docs/benchmarks.md) or "eager" (as written).
+# Elsewhere (tests, fp32 CPU runs) it runs as written.
+SOFT_CROSS_ENTROPY_ON_CUDA = "triton"
+SOFT_CROSS_ENTROPY_KERNELS = ("triton", "compiled", "eager")
 
 
 @functools.cache
@@ -277,9 +280,15 @@ def head_soft_cross_entropy(
 
 
 def soft_cross_entropy_kernel(logits: Tensor) -> Callable:
-    """`soft_cross_entropy_with_grad` for `logits`: compiled on CUDA (one fused reduction), as written elsewhere."""
-    compiled = logits.is_cuda and COMPILE_KERNEL_ON_CUDA
-    return _compiled_soft_cross_entropy_with_grad() if compiled else soft_cross_entropy_with_grad
+    """`soft_cross_entropy_with_grad` for `logits`: on CUDA the kernel `SOFT_CROSS_ENTROPY_ON_CUDA` names, as written
+    elsewhere."""
+    if logits.is_cuda and SOFT_CROSS_ENTROPY_ON_CUDA == "triton":
+        from services.trainer import kernels  # Triton is there only beside a CUDA build of torch
+
+        return kernels.soft_cross_entropy_with_grad
+    if logits.is_cuda and SOFT_CROSS_ENTROPY_ON_CUDA == "compiled":
+        return _compiled_soft_cross_entropy_with_grad()
+    return soft_cross_entropy_with_grad
 
 
 def teacher(target_head: TargetHead, hidden_rows: Tensor, draft_vocab: Tensor) -> tuple[Tensor, Tensor]:

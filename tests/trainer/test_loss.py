@@ -257,8 +257,10 @@ def test_the_fused_kernel_gives_the_eager_loss_and_its_gradient(logits_dtype: to
     torch.testing.assert_close(fused[2], eager[2], **tolerance)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled soft cross-entropy kernel runs on CUDA")
-def test_compiled_soft_cross_entropy_matches_eager_on_cuda() -> None:
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the soft cross-entropy's kernels run on CUDA")
+@pytest.mark.parametrize("kernel", loss_module.SOFT_CROSS_ENTROPY_KERNELS)
+def test_soft_cross_entropy_kernels_match_eager_on_cuda(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loss_module, "SOFT_CROSS_ENTROPY_ON_CUDA", kernel)
     eager = soft_cross_entropy_outputs(torch.bfloat16, "cuda", kernel=False)
     fused = soft_cross_entropy_outputs(torch.bfloat16, "cuda", kernel=True)
     torch.testing.assert_close(fused[0], eager[0], rtol=1e-5, atol=1e-3)

@@ -1,18 +1,25 @@
-"""The TTT attention's diagonal merges as Triton kernels: `drafter.diagonal_merge_forward` and
-`drafter.diagonal_merge_backward`, each row's work done in registers in one pass over its inputs.
+"""The trainer's Triton kernels, each the fast form of a function written out in plain tensor ops elsewhere (the
+readable reference, which the CPU runs and the tests compare against):
 
-Row t of unrolled step i attends step 0's causal block (a fused attention kernel gives its output out0 and logsumexp
-lse0) and its own keys and values of steps 1..i. For the G query heads that share a key-value head, a program takes
-BLOCK_T rows, loads each later key and value row once per head and keeps the softmax's running maximum and sum
-(online softmax), so nothing of size (rows x G x i) or any fp32 copy of an input is written to memory. Inductor's
-compiled merges, from the same tensor expressions, wrote several intermediates and ran 4-7x slower than the bytes they
-move (1.39 ms a backward at 1x8192 and 8B dims on an H100: docs/benchmarks.md).
+- `diagonal_merge_forward` / `diagonal_merge_backward`: the TTT attention's diagonal merges
+  (`drafter.diagonal_merge_forward` / `_backward`), each row's work done in registers in one pass over its inputs.
+- `soft_cross_entropy_with_grad`: a step's soft cross-entropy against the teacher, its gradient with respect to the
+  logits and their argmax (`loss.soft_cross_entropy_with_grad`), two passes over each row's logits and teacher.
 
+Inductor's kernels compiled from the same expressions ran 4-7x slower than the bytes they move at 8B dims (a merge's
+backward 1.39 ms at 1x8192 on an H100, the soft cross-entropy 3.2 ms a step on an H200: docs/benchmarks.md): they
+wrote intermediates of their own or read each row more times than needed.
+
+The merges. Row t of unrolled step i attends step 0's causal block (a fused attention kernel gives its output out0
+and logsumexp lse0) and its own keys and values of steps 1..i. For the G query heads that share a key-value head, a
+program takes BLOCK_T rows, loads each later key and value row once per head and keeps the softmax's running maximum
+and sum (online softmax), so nothing of size (rows x G x i) or any fp32 copy of an input is written to memory.
 Backward is two kernels: the first computes the query's gradient and each (row, head, step)'s probability p and
 score gradient ds (small fp32 tensors); the second sums p x dout and ds x query over the G heads of each key-value
-head into the later keys' and values' gradients. Everything is fp32 inside, bf16 or fp16 (or fp32) in and out.
+head into the later keys' and values' gradients.
 
-Imported only where Triton is: on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
+Everything is fp32 inside, bf16 or fp16 (or fp32) in and out. Imported only where Triton is: on CUDA, and on the CPU
+under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
 """
 
 import torch
@@ -20,8 +27,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# Rows a program takes. 32 rows of a 128-wide head keep the four [rows, D] fp32 tiles a loop holds in registers.
+# Rows a merge program takes. 32 rows of a 128-wide head keep the four [rows, D] fp32 tiles a loop holds in registers.
 BLOCK_T = 32
+# Vocabulary entries the soft cross-entropy loads at once: eight [BLOCK_V] fp32 vectors in registers over 8 warps.
+BLOCK_V = 2048
 
 
 @triton.jit
@@ -151,7 +160,7 @@ def _grid(query: Tensor, num_kv_heads: int) -> tuple[int, int, int]:
 def _check_unit_stride(*tensors: Tensor) -> None:
     for tensor in tensors:
         if tensor.stride(-1) != 1:
-            raise ValueError(f"the merge kernels read head dims contiguous; got strides {tensor.stride()}")
+            raise ValueError(f"the kernels read the last dimension contiguous; got strides {tensor.stride()}")
 
 
 def diagonal_merge_forward(
@@ -212,3 +221,75 @@ def diagonal_merge_backward(
         **constants,
     )  # fmt: skip
     return grad_query, grad_keys, grad_values
+
+
+@triton.jit
+def _soft_cross_entropy_kernel(
+    logits, teacher_p, weight, grad, row_loss, argmax,
+    R, V, z_sb, z_sr, p_sb, p_sr, g_sb, g_sr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    r, b = tl.program_id(0), tl.program_id(1)
+    row = b * R + r  # in the (B, R) row weights, losses and argmaxes
+    # 64-bit offsets: a (B, T, V) teacher holds more than 2**31 elements at 2x32768 tokens and 32,000 draft tokens
+    logits += b.to(tl.int64) * z_sb + r.to(tl.int64) * z_sr
+    teacher_p += b.to(tl.int64) * p_sb + r.to(tl.int64) * p_sr
+    grad += b.to(tl.int64) * g_sb + r.to(tl.int64) * g_sr
+    lanes = tl.arange(0, BLOCK_V)
+    # Pass 1, per lane then across lanes: the running maximum and sum of exp(z - max) (online logsumexp), the first
+    # index of the largest logit, sum(p) and sum(p * z). A finite floor, not -inf, so that a lane that never sees a
+    # logit (V below the block) gives exp(0) * 0, not NaN.
+    lane_max = tl.full([BLOCK_V], -1e30, tl.float32)
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    lane_best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    lane_best_at = tl.zeros([BLOCK_V], tl.int32)
+    lane_p = tl.zeros([BLOCK_V], tl.float32)
+    lane_pz = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + lanes
+        valid = cols < V
+        z = tl.load(logits + cols, valid, other=float("-inf")).to(tl.float32)
+        p = tl.load(teacher_p + cols, valid, other=0.0).to(tl.float32)
+        next_max = tl.maximum(lane_max, z)
+        lane_sum = lane_sum * tl.exp(lane_max - next_max) + tl.exp(z - next_max)
+        lane_max = next_max
+        better = z > lane_best  # strictly: a lane keeps its first occurrence of its largest value
+        lane_best = tl.where(better, z, lane_best)
+        lane_best_at = tl.where(better, cols, lane_best_at)
+        lane_p += p
+        lane_pz += p * tl.where(valid, z, 0.0)
+    row_max = tl.max(lane_max, axis=0)
+    lse = row_max + tl.log(tl.sum(lane_sum * tl.exp(lane_max - row_max), axis=0))
+    best = tl.max(lane_best, axis=0)
+    tl.store(argmax + row, tl.min(tl.where(lane_best == best, lane_best_at, V), axis=0).to(tl.int64))
+    p_sum = tl.sum(lane_p, axis=0)
+    w = tl.load(weight + row)
+    # cross-entropy = -sum_v p_v (z_v - lse) = sum(p) * lse - sum(p * z)
+    tl.store(row_loss + row, w * (p_sum * lse - tl.sum(lane_pz, axis=0)))
+    # Pass 2: d/dz = w * (sum(p) * softmax(z) - p), in the logits' dtype.
+    for start in range(0, V, BLOCK_V):
+        cols = start + lanes
+        valid = cols < V
+        z = tl.load(logits + cols, valid, other=0.0).to(tl.float32)
+        p = tl.load(teacher_p + cols, valid, other=0.0).to(tl.float32)
+        g = w * (p_sum * tl.exp(z - lse) - p)
+        tl.store(grad + cols, g.to(grad.dtype.element_ty), valid)
+
+
+def soft_cross_entropy_with_grad(logits: Tensor, teacher_p: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """As `loss.soft_cross_entropy_with_grad`: logits (B, R, V) and the teacher's distribution (B, R, V) (a view of a
+    longer sequence's, read in place), row weights (B, R). Returns sum(weight * cross_entropy) fp32, its gradient with
+    respect to the logits in their dtype, and their argmax (B, R)."""
+    B, R, V = logits.shape
+    _check_unit_stride(logits, teacher_p)
+    w = weight.float().contiguous()
+    grad = torch.empty(B, R, V, device=logits.device, dtype=logits.dtype)
+    row_loss = torch.empty(B, R, device=logits.device, dtype=torch.float32)
+    argmax = torch.empty(B, R, device=logits.device, dtype=torch.long)
+    if B * R:
+        _soft_cross_entropy_kernel[(R, B)](
+            logits, teacher_p, w, grad, row_loss, argmax,
+            R, V, *logits.stride()[:2], *teacher_p.stride()[:2], *grad.stride()[:2],
+            BLOCK_V=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=8,
+        )  # fmt: skip
+    return row_loss.sum(), grad, argmax
