@@ -19,7 +19,8 @@ declarations out.
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Self, TypeVar
@@ -45,6 +46,12 @@ InputT = TypeVar("InputT", bound=BaseModel)  # one shard's planned input (inputs
 ItemT = TypeVar("ItemT", bound=BaseModel)  # one element of it: a sample, a conversation
 DoneT = TypeVar("DoneT")  # what an item leaves in storage once done, as the manifest needs it
 ManifestT = TypeVar("ManifestT", bound=BaseModel)  # manifests/shard_{k}.json
+KeptT = TypeVar("KeptT")  # what a worker process keeps for a job: its checked server, its tokenizer
+
+# How many jobs a worker process keeps what it prepared for (RecentJobs): the jobs whose shards reach it in turn. With
+# more jobs than this running at once, a shard prepares its job again (a request to the server, a tokenizer loaded
+# again), which costs a second or two against a shard's minutes, not a failure.
+RECENT_JOBS = 2
 
 
 class KindOptions(BaseModel):
@@ -77,6 +84,38 @@ class KindRecord(BaseModel):
         return cls.model_validate(job.model_extra or {})
 
 
+class RecentJobs(Generic[KeptT]):
+    """What a worker process keeps per job (what its kind's prepare() returned, a job's tokenizer), for the last
+    `size` jobs it ran shards of. A worker runs any number of jobs in its life: kept for every one of them, these
+    would grow it with every job for as long as it runs (a regenerate job's tokenizer is about 9 MB for SmolLM2's).
+    A job met again after it left is prepared again: a request to the server or a download, not a different result.
+    Not thread-safe: a caller that shares it between threads holds a lock around it."""
+
+    def __init__(self, size: int = RECENT_JOBS) -> None:
+        self.size = size
+        self._kept: OrderedDict[str, KeptT] = OrderedDict()  # least recently used first
+
+    def get(self, job_id: str, make: Callable[[], KeptT]) -> KeptT:
+        """The job's kept value, made (and kept, the least recently used job leaving) if there is none."""
+        if job_id in self._kept:
+            self._kept.move_to_end(job_id)
+            return self._kept[job_id]
+        value = make()
+        self._kept[job_id] = value
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
+        return value
+
+    def forget(self, job_id: str) -> None:
+        self._kept.pop(job_id, None)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._kept
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
 @dataclass
 class ShardContext:
     """What a worker process lends every shard it runs: clients, its name, settings, per-kind state."""
@@ -86,7 +125,7 @@ class ShardContext:
     settings: Settings
     worker: str
     states: dict[str, Any] = field(default_factory=dict)  # kind name -> what its open() returned
-    prepared: dict[str, Any] = field(default_factory=dict)  # job id -> what its kind's prepare() returned
+    prepared: RecentJobs[Any] = field(default_factory=RecentJobs)  # job id -> what its kind's prepare() returned
 
     def state(self, kind: "JobKind") -> Any:
         if kind.name not in self.states:
@@ -231,7 +270,8 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
 
     @abstractmethod
     def prepare(self, ctx: ShardContext, state: Any, job: JobRecord) -> Any:
-        """Once per job and process: wait for the server and check that it serves the job's model."""
+        """Once per job and process (kept for the process's recent jobs, RecentJobs): wait for the server and check
+        that it serves the job's model."""
 
     @abstractmethod
     def items(self, shard: InputT) -> list[ItemT]: ...

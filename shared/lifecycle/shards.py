@@ -1,10 +1,10 @@
 """One shard of a job of any kind, on a worker: the lifecycle every kind shares.
 
-already committed -> cancelled -> load the job -> check the served model (once per job and process) -> load the
-shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest create-only and count
-it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with its reason. Storage
-that is full, or still unreachable after the retries, pauses the job instead (progress state `paused`, with the
-reason): the shard waits for storage, which is also where a dead letter would have to go.
+already committed -> cancelled -> load the job -> check the served model (once per job and process, kept for its
+recent jobs) -> load the shard input -> reuse what an earlier attempt wrote -> the kind's work -> commit the manifest
+create-only and count it once -> the kind's after-commit step. A task that fails for good leaves a dead letter with
+its reason. Storage that is full, or still unreachable after the retries, pauses the job instead (progress state
+`paused`, with the reason): the shard waits for storage, which is also where a dead letter would have to go.
 
 Every step is idempotent, so a redelivered or duplicated task never produces a second or a torn shard.
 """
@@ -80,8 +80,7 @@ def run_shard(kind: JobKind, job_id: str, shard_index: int, ctx: ShardContext) -
     job = load_job(storage, job_id)
     if job.kind != kind.name:
         raise ConfigurationError(f"job {job_id} is of kind {job.kind!r}, not {kind.name!r}")
-    if job_id not in ctx.prepared:
-        ctx.prepared[job_id] = kind.prepare(ctx, state, job)
+    prepared = ctx.prepared.get(job_id, lambda: kind.prepare(ctx, state, job))
     shard = read_shard_input(kind, storage, job_id, shard_index)
 
     items = kind.items(shard)
@@ -97,14 +96,14 @@ def run_shard(kind: JobKind, job_id: str, shard_index: int, ctx: ShardContext) -
             else:
                 pending.append(item)
         try:
-            manifest = kind.process(ctx, state, ctx.prepared[job_id], job, shard, pending, done)
+            manifest = kind.process(ctx, state, prepared, job, shard, pending, done)
         except Cancelled:
             logger.info("cancelled job=%s shard=%d", job_id, shard_index)
             return ShardOutcome(job_id=job_id, shard_index=shard_index, status="cancelled")
         except InferenceUnavailable:
             # The server went away (killed, restarting): the retry waits until it is ready again, as at the first
             # shard, instead of spending its attempts on refused connections while the model loads.
-            ctx.prepared.pop(job_id, None)
+            ctx.prepared.forget(job_id)
             raise
         manifest.worker, manifest.started_at, manifest.committed_at = ctx.worker, started_at, utc_now()
         manifest.timings_s["total"] = round(time.monotonic() - started, 4)

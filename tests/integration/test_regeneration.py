@@ -3,8 +3,11 @@
 outages, cancellation and resume are all reproducible. tests/e2e/test_regeneration.py runs the real server."""
 
 import contextlib
+import gc
 import json
 import re
+import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from shared.errors import (
     SubmitError,
 )
 from shared.lifecycle import jobs, progress, shards
-from shared.lifecycle.kind import ShardContext
+from shared.lifecycle.kind import RECENT_JOBS, ShardContext
 from shared.lifecycle.kinds import REGENERATE, kind_of
 from shared.lifecycle.kinds import regenerate as regeneration
 from shared.lifecycle.schemas import JobRecord, JobSpec, RegenerationManifest
@@ -148,7 +151,7 @@ class Setup:
     def context(self, inference: ScriptedInference, chain: regeneration.ChainSubmit | None) -> ShardContext:
         state = regeneration.RegenerateState(
             decoding=inference,  # type: ignore[arg-type]
-            tokenizers=regeneration.TokenizerCache(self.model_dir.parent / "tokenizers"),
+            tokenizers=regeneration.TokenizerCache(),
             chain=chain,
         )
         settings = self.settings.model_copy(update={"regenerate_concurrency": 4})
@@ -490,3 +493,38 @@ def test_a_refused_chain_is_an_error_and_a_resume_submits_it_again(setup: Setup)
     p = progress.job_progress(setup.redis, job.job_id)
     assert p.regeneration is not None and p.regeneration.chained_job_id == f"{job.job_id}-extract"
     assert p.regeneration.error is None
+
+
+def test_a_worker_keeps_the_tokenizers_of_its_last_jobs_only_and_no_files(
+    setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker process runs any number of jobs: what it keeps per job must not grow with them (kept for every job,
+    # the tokenizers grew a pool process by about 9 MB a regenerate job, and their files stayed in /tmp).
+    jobs_run = [
+        setup.submit(job_id=f"kept-{i}", max_new_tokens=5, conversations_per_shard=3).job_id
+        for i in range(RECENT_JOBS + 2)
+    ]
+    ctx = setup.context(ScriptedInference(setup.model_dir), None)
+    downloads = tmp_path / "tmp"
+    downloads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(downloads))
+    loaded: list[tuple[Path, weakref.ref]] = []
+    load = ChatTokenizer.from_pretrained
+
+    def from_pretrained(path: Path | str) -> ChatTokenizer:
+        tokenizer = load(path)
+        loaded.append((Path(path), weakref.ref(tokenizer)))
+        return tokenizer
+
+    monkeypatch.setattr(ChatTokenizer, "from_pretrained", from_pretrained)
+
+    # The first shard of every job, then the second of the last job (kept) and of the first (gone since).
+    for job_id, shard in [*[(job_id, 0) for job_id in jobs_run], (jobs_run[-1], 1), (jobs_run[0], 1)]:
+        assert shards.run_shard(REGENERATE, job_id, shard, ctx).status == "committed"
+
+    assert len(loaded) == len(jobs_run) + 1  # the first job's tokenizer loaded again, the last job's not
+    gc.collect()
+    alive = [ref() is not None for _, ref in loaded]
+    assert alive == [False] * (len(loaded) - RECENT_JOBS) + [True] * RECENT_JOBS
+    assert len(ctx.prepared) == RECENT_JOBS and jobs_run[0] in ctx.prepared and jobs_run[-1] in ctx.prepared
+    assert all(path.parent == downloads for path, _ in loaded) and not any(downloads.iterdir())

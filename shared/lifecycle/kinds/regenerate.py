@@ -14,7 +14,6 @@ the drafter learns the target's own distribution rather than human answers.
 import hashlib
 import json
 import logging
-import shutil
 import tempfile
 import threading
 import time
@@ -48,6 +47,7 @@ from shared.lifecycle.kind import (
     JobPlan,
     KindOptions,
     KindRecord,
+    RecentJobs,
     ShardContext,
     Target,
     check_served_model,
@@ -216,37 +216,29 @@ class PromptRenderer:
 
 
 class TokenizerCache:
-    """Per worker process: each job's tokenizer, downloaded once into a local folder and loaded once."""
+    """Per worker process: the tokenizers of the jobs it ran shards of last (RecentJobs), each loaded once from the
+    files the job keeps in storage. The files go to a temporary folder that is removed once they are loaded, so
+    neither the process's memory nor its disk grows with the jobs it runs."""
 
-    def __init__(self, root: Path | None = None) -> None:
-        self.root = root or Path(tempfile.gettempdir()) / "eagle3-tokenizers"
-        self._renderers: dict[str, PromptRenderer] = {}
+    def __init__(self) -> None:
+        self._renderers: RecentJobs[PromptRenderer] = RecentJobs()
         self._lock = threading.Lock()
 
     def get(self, storage: Storage, job: JobRecord) -> PromptRenderer:
         with self._lock:
-            if job.job_id not in self._renderers:
-                self._renderers[job.job_id] = PromptRenderer(self._load(storage, job))
-            return self._renderers[job.job_id]
+            return self._renderers.get(job.job_id, lambda: PromptRenderer(self._load(storage, job)))
 
     def _load(self, storage: Storage, job: JobRecord) -> ChatTokenizer:
-        folder = self.root / f"{job.job_id}-{job.model.template_hash[:16]}"
-        if not folder.is_dir():
-            prefix = layout.tokenizer_prefix(job.job_id)
-            keys = storage.list(prefix)
-            if not keys:
-                raise ConfigurationError(f"job {job.job_id}: no tokenizer files under {prefix} in {storage.url}")
-            self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=self.root))
+        prefix = layout.tokenizer_prefix(job.job_id)
+        keys = storage.list(prefix)
+        if not keys:
+            raise ConfigurationError(f"job {job.job_id}: no tokenizer files under {prefix} in {storage.url}")
+        with tempfile.TemporaryDirectory(prefix="eagle3-tokenizer-") as tmp:
             for key in keys:
-                path = tmp / key.removeprefix(prefix)
+                path = Path(tmp) / key.removeprefix(prefix)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(storage.get(key))
-            try:
-                tmp.rename(folder)  # atomic: another process of this machine may have won the race
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)
-        tokenizer = ChatTokenizer.from_pretrained(folder)
+            tokenizer = ChatTokenizer.from_pretrained(tmp)  # a fast tokenizer: read whole, the files not kept open
         if tokenizer.template_hash != job.model.template_hash:
             raise ConfigurationError(
                 f"job {job.job_id}: the stored tokenizer's chat template hashes to {tokenizer.template_hash}, "
