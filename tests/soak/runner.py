@@ -19,7 +19,6 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,6 +44,8 @@ from tests.faults.stack import FaultStack
 from tests.fixtures.processes import free_port
 from tests.fixtures.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, WeedMini
 from tests.fixtures.smollm2 import MODELS_DIR
+from tests.soak.resources import figures as resource_figures
+from tests.soak.resources import judge_figure
 from tests.soak.schedule import FaultPlan, JobPlan, Schedule, build_schedule
 
 WORKERS = 2
@@ -475,7 +476,11 @@ class Soak:
                 for proc in [root, *root.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
                         fds[group] = fds.get(group, 0) + proc.num_fds()
-                        rss[group] = rss.get(group, 0) + proc.memory_info().rss
+                        proc_rss = proc.memory_info().rss
+                        rss[group] = rss.get(group, 0) + proc_rss
+                        if group == "worker":  # what a worker keeps in its main process or in its pool's
+                            part = "worker_main" if proc.pid == root.pid else "worker_pool"
+                            rss[part] = rss.get(part, 0) + proc_rss
         sample["open_fds"] = fds
         sample["open_fds_total"] = sum(fds.values())
         sample["rss"] = rss
@@ -644,35 +649,40 @@ class Soak:
         self.console.print(faults_table)
 
         start, end = self.samples[0], self.samples[-1]
-        warm = next((s for s in self.samples if s["jobs_finished"] >= 1), start)
-        jobs_after_warm = max(end["jobs_finished"] - warm["jobs_finished"], 1)
-        resources = Table(title="resources (start: stack up, no job; warm: first job ended; end: every job ended)")
-        for column in ("figure", "start", "warm", "end", "max", f"(end - warm) / job ({jobs_after_warm} jobs)"):
+        resources = Table(
+            title="resources (start: stack up, no job; warm: first job ended; end: every job ended; growth a job: "
+            "least-squares slope against the jobs ended, over each half of them)"
+        )
+        for column in ("figure", "start", "warm", "end", "max", "1st half / job", "2nd half / job", "limit / job"):
             resources.add_column(column, justify="left" if column == "figure" else "right")
-        figures: list[tuple[str, Callable[[dict[str, Any]], float | None]]] = [
-            ("Redis used_memory (bytes)", lambda s: s.get("redis_used_memory")),
-            ("Redis keys", lambda s: s.get("redis_keys")),
-            ("open fds, all stack processes", lambda s: s.get("open_fds_total")),
-            *[
-                (f"open fds, {name}", (lambda n: lambda s: s["open_fds"].get(n))(name))
-                for name in sorted(end["open_fds"])
-            ],
-            ("worker RSS (bytes, 2 workers + pools)", lambda s: s.get("worker_rss")),
-            ("inference RSS (bytes)", lambda s: s["rss"].get("inference")),
-            ("producer RSS (bytes)", lambda s: s["rss"].get("producer")),
-            ("storage bytes", lambda s: s.get("storage_bytes")),
-            ("storage objects", lambda s: s.get("storage_objects")),
-        ]
+        resources.add_column("verdict")
         resource_rows = {}
-        for name, get in figures:
-            values = [get(s) for s in self.samples if get(s) is not None]
-            # Warm: the first sample once a job had ended in which the figure could be read (not Redis mid-outage).
-            w = next((get(s) for s in self.samples if s["jobs_finished"] >= 1 and get(s) is not None), None)
-            s0, e = get(start), get(end)
-            per_job = (e - w) / jobs_after_warm if e is not None and w is not None else None
-            resource_rows[name] = {"start": s0, "warm": w, "end": e, "max": max(values, default=None)}
-            resource_rows[name]["per_job"] = per_job
-            resources.add_row(name, *[_cell(v) for v in (s0, w, e, max(values, default=None), per_job)])
+        for figure in resource_figures(sorted(end["open_fds"])):
+            readable = [(s, v) for s in self.samples if (v := figure.read(s)) is not None]  # not Redis mid-outage
+            # Warm: the first sample once a job had ended in which the figure could be read.
+            warm = next((v for s, v in readable if s["jobs_finished"] >= 1), None)
+            judgement = judge_figure(figure, self.samples)
+            row = {
+                "start": figure.read(start),
+                "warm": warm,
+                "end": figure.read(end),
+                "max": max((v for _, v in readable), default=None),
+                "first_half_per_job": judgement.first_half_per_job,
+                "second_half_per_job": judgement.second_half_per_job,
+                "threshold_per_job": figure.threshold_per_job,
+                "verdict": judgement.verdict,
+            }
+            resource_rows[figure.name] = row
+            verdict = {"bounded": "[green]bounded[/green]", "growing": "[red]GROWING[/red]"}.get(
+                judgement.verdict, judgement.verdict
+            )
+            resources.add_row(figure.name, *[_cell(v) for v in list(row.values())[:-1]], verdict)
+            if judgement.growing:
+                failures.append(
+                    f"{figure.name} keeps growing: {_cell(judgement.second_half_per_job)} a job over the second half "
+                    f"of the jobs (first half {_cell(judgement.first_half_per_job)}), more than "
+                    f"{_cell(figure.threshold_per_job)}"
+                )
         self.console.print(resources)
 
         faults_by_type: dict[str, int] = {}
