@@ -35,6 +35,25 @@ BLOCK_V = 2048
 
 
 @triton.jit
+def _row_block(T, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's BLOCK_T rows (grid axis 0) and the head dim's columns, with their in-bounds masks."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_D)
+    row_in = rows < T
+    return rows, cols, row_in, row_in[:, None] & (cols < D)[None, :]
+
+
+@triton.jit
+def _load_tile(tensor, b, head, b_stride, head_stride, row_stride, rows, cols, tile_in):
+    """A [rows, head dim] tile of a (B, heads, T, D) tensor's head `head` (or of a (B, heads, T, i, D) tensor's
+    step, `tensor` offset to it), fp32, 0 outside the tensor."""
+    tile = tl.load(
+        tensor + b * b_stride + head * head_stride + rows[:, None] * row_stride + cols[None, :], tile_in, 0.0
+    )
+    return tile.to(tl.float32)
+
+
+@triton.jit
 def _merge_forward_kernel(
     query, out0, lse0, keys, values, out, lse,
     T, scale,
@@ -42,32 +61,23 @@ def _merge_forward_kernel(
     k_sb, k_sh, k_st, k_si, v_sb, v_sh, v_st, v_si,
     G: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows, cols, row_in, tile_in = _row_block(T, D, BLOCK_T, BLOCK_D)
     kv_head, b = tl.program_id(1), tl.program_id(2)
-    cols = tl.arange(0, BLOCK_D)
-    row_in, col_in = rows < T, cols < D
-    tile_in = row_in[:, None] & col_in[None, :]
     for g in tl.static_range(G):
         h = kv_head * G + g
-        q = tl.load(query + b * q_sb + h * q_sh + rows[:, None] * q_st + cols[None, :], tile_in, other=0.0)
-        q = q.to(tl.float32)
-        acc = tl.load(out0 + b * o0_sb + h * o0_sh + rows[:, None] * o0_st + cols[None, :], tile_in, other=0.0)
-        acc = acc.to(tl.float32)
+        q = _load_tile(query, b, h, q_sb, q_sh, q_st, rows, cols, tile_in)
+        acc = _load_tile(out0, b, h, o0_sb, o0_sh, o0_st, rows, cols, tile_in)
         # Online softmax over [step 0's block, the later steps' own keys]: m the running maximum, s the running sum
         # of exp(score - m); step 0's block enters as the single score lse0 with output out0.
         m = tl.load(lse0 + b * l0_sb + h * l0_sh + rows, row_in, other=0.0)
         s = tl.full([BLOCK_T], 1.0, tl.float32)
         for j in tl.static_range(STEPS):
-            k = tl.load(
-                keys + b * k_sb + kv_head * k_sh + rows[:, None] * k_st + j * k_si + cols[None, :], tile_in, 0.0
-            )
-            score = tl.sum(q * k.to(tl.float32), axis=1) * scale
+            k = _load_tile(keys + j * k_si, b, kv_head, k_sb, k_sh, k_st, rows, cols, tile_in)
+            score = tl.sum(q * k, axis=1) * scale
             m_next = tl.maximum(m, score)
             rescale, p = tl.exp(m - m_next), tl.exp(score - m_next)
-            v = tl.load(
-                values + b * v_sb + kv_head * v_sh + rows[:, None] * v_st + j * v_si + cols[None, :], tile_in, 0.0
-            )
-            acc = acc * rescale[:, None] + p[:, None] * v.to(tl.float32)
+            v = _load_tile(values + j * v_si, b, kv_head, v_sb, v_sh, v_st, rows, cols, tile_in)
+            acc = acc * rescale[:, None] + p[:, None] * v
             s = s * rescale + p
             m = m_next
         o = acc / s[:, None]
@@ -83,32 +93,21 @@ def _merge_backward_query_kernel(
     k_sb, k_sh, k_st, k_si, v_sb, v_sh, v_st, v_si, gq_sb, gq_sh, gq_st,
     G: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows, cols, row_in, tile_in = _row_block(T, D, BLOCK_T, BLOCK_D)
     kv_head, b = tl.program_id(1), tl.program_id(2)
-    cols = tl.arange(0, BLOCK_D)
-    row_in, col_in = rows < T, cols < D
-    tile_in = row_in[:, None] & col_in[None, :]
     for g in tl.static_range(G):
         h = kv_head * G + g
-        q = tl.load(query + b * q_sb + h * q_sh + rows[:, None] * q_st + cols[None, :], tile_in, other=0.0)
-        q = q.to(tl.float32)
-        dout = tl.load(grad_out + b * go_sb + h * go_sh + rows[:, None] * go_st + cols[None, :], tile_in, other=0.0)
-        dout = dout.to(tl.float32)
-        o = tl.load(out + b * o_sb + h * o_sh + rows[:, None] * o_st + cols[None, :], tile_in, other=0.0)
-        delta = tl.sum(dout * o.to(tl.float32), axis=1)  # rowsum(dout * out)
+        q = _load_tile(query, b, h, q_sb, q_sh, q_st, rows, cols, tile_in)
+        dout = _load_tile(grad_out, b, h, go_sb, go_sh, go_st, rows, cols, tile_in)
+        o = _load_tile(out, b, h, o_sb, o_sh, o_st, rows, cols, tile_in)
+        delta = tl.sum(dout * o, axis=1)  # rowsum(dout * out)
         row_lse = tl.load(lse + b * l_sb + h * l_sh + rows, row_in, other=0.0)
-        acc = tl.load(grad_query0 + b * gq0_sb + h * gq0_sh + rows[:, None] * gq0_st + cols[None, :], tile_in, 0.0)
-        acc = acc.to(tl.float32)
+        acc = _load_tile(grad_query0, b, h, gq0_sb, gq0_sh, gq0_st, rows, cols, tile_in)
         for j in tl.static_range(STEPS):
-            k = tl.load(
-                keys + b * k_sb + kv_head * k_sh + rows[:, None] * k_st + j * k_si + cols[None, :], tile_in, 0.0
-            )
-            k = k.to(tl.float32)
-            v = tl.load(
-                values + b * v_sb + kv_head * v_sh + rows[:, None] * v_st + j * v_si + cols[None, :], tile_in, 0.0
-            )
+            k = _load_tile(keys + j * k_si, b, kv_head, k_sb, k_sh, k_st, rows, cols, tile_in)
+            v = _load_tile(values + j * v_si, b, kv_head, v_sb, v_sh, v_st, rows, cols, tile_in)
             p = tl.exp(tl.sum(q * k, axis=1) * scale - row_lse)
-            ds = p * (tl.sum(dout * v.to(tl.float32), axis=1) - delta)
+            ds = p * (tl.sum(dout * v, axis=1) - delta)
             acc += ds[:, None] * k * scale
             # (B, nkv, G, STEPS, T): each (row, head, step)'s p and ds, contiguous over rows
             at = (((b * NKV + kv_head) * G + g) * STEPS + j) * T + rows
@@ -126,11 +125,8 @@ def _merge_backward_keys_kernel(
     gk_sb, gk_sh, gk_st, gk_si, gv_sb, gv_sh, gv_st, gv_si,
     G: tl.constexpr, STEPS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows, cols, row_in, tile_in = _row_block(T, D, BLOCK_T, BLOCK_D)
     kv_head, b = tl.program_id(1), tl.program_id(2)
-    cols = tl.arange(0, BLOCK_D)
-    row_in, col_in = rows < T, cols < D
-    tile_in = row_in[:, None] & col_in[None, :]
     for j in tl.static_range(STEPS):
         grad_k = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
         grad_v = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
@@ -139,10 +135,10 @@ def _merge_backward_keys_kernel(
             at = (((b * NKV + kv_head) * G + g) * STEPS + j) * T + rows
             p = tl.load(probs + at, row_in, other=0.0)
             ds = tl.load(grad_scores + at, row_in, other=0.0)
-            q = tl.load(query + b * q_sb + h * q_sh + rows[:, None] * q_st + cols[None, :], tile_in, other=0.0)
-            dout = tl.load(grad_out + b * go_sb + h * go_sh + rows[:, None] * go_st + cols[None, :], tile_in, 0.0)
-            grad_k += ds[:, None] * q.to(tl.float32)
-            grad_v += p[:, None] * dout.to(tl.float32)
+            q = _load_tile(query, b, h, q_sb, q_sh, q_st, rows, cols, tile_in)
+            dout = _load_tile(grad_out, b, h, go_sb, go_sh, go_st, rows, cols, tile_in)
+            grad_k += ds[:, None] * q
+            grad_v += p[:, None] * dout
         gk = (grad_k * scale).to(grad_keys.dtype.element_ty)
         tl.store(
             grad_keys + b * gk_sb + kv_head * gk_sh + rows[:, None] * gk_st + j * gk_si + cols[None, :], gk, tile_in
