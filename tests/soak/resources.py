@@ -13,7 +13,7 @@ SIGKILLed takes its 40-60 MB of RSS with it, 15-20 MB a job over a half of three
 `MIN_JOBS_A_HALF` jobs before its slope says more than which faults fell in it.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,16 +81,21 @@ def judge_figure(figure: Figure, samples: Sequence[Sample]) -> Judgement:
 
 
 MB = 1_000_000
-# A process's RSS: 1 MB a job is 1 GB over a thousand jobs, and about what the samples' noise allows a 30-minute soak
-# to resolve (a shard in flight at a sample holds tens of MB; the slope over 25 jobs averages that out).
-RSS_PER_JOB = 1 * MB
+# RSS, for each process of a figure: 1 MB a job is 1 GB over a thousand jobs, and about what a 30-minute soak resolves
+# (a shard in flight at a sample holds tens of MB; the slope over 25 jobs averages that out). A pool process that
+# only extracts still gains about 0.5 MB a job after its first ten, less and less (its allocator's arenas).
+RSS_PER_JOB_A_PROCESS = 1 * MB
 # Open descriptors of a process: one more every other job would be a descriptor kept per job (a file, a connection).
 FDS_PER_JOB = 0.5
 
 
-def figures(fd_groups: Sequence[str]) -> list[Figure]:
+def figures(fd_groups: Sequence[str], processes: Mapping[str, int]) -> list[Figure]:
     """The soak's resource figures, with their thresholds. `fd_groups`: the stack's process names (the worker
-    processes as one) with open descriptors sampled."""
+    processes as one) with open descriptors sampled; `processes`: how many processes each RSS figure sums."""
+
+    def rss(part: str) -> float:
+        return RSS_PER_JOB_A_PROCESS * max(processes.get(part, 1), 1)
+
     kept_data = "the kept jobs' data (the audit checks that nothing else is stored)"
     return [
         # Every job the soak keeps keeps its Redis hash, its committed-shard set and its trimmed event stream (three
@@ -112,11 +117,11 @@ def figures(fd_groups: Sequence[str]) -> list[Figure]:
             )
             for group in fd_groups
         ],
-        Figure("worker RSS (bytes, main processes)", lambda s: s["rss"].get("worker_main"), RSS_PER_JOB),
-        Figure("worker RSS (bytes, pool processes)", lambda s: s["rss"].get("worker_pool"), RSS_PER_JOB),
-        Figure("worker RSS (bytes, 2 workers + pools)", lambda s: s.get("worker_rss"), RSS_PER_JOB),
-        Figure("inference RSS (bytes)", lambda s: s["rss"].get("inference"), RSS_PER_JOB),
-        Figure("producer RSS (bytes)", lambda s: s["rss"].get("producer"), RSS_PER_JOB),
+        Figure("worker RSS (bytes, main processes)", lambda s: s["rss"].get("worker_main"), rss("worker_main")),
+        Figure("worker RSS (bytes, pool processes)", lambda s: s["rss"].get("worker_pool"), rss("worker_pool")),
+        Figure("worker RSS (bytes, 2 workers + pools)", lambda s: s.get("worker_rss"), rss("worker")),
+        Figure("inference RSS (bytes)", lambda s: s["rss"].get("inference"), rss("inference")),
+        Figure("producer RSS (bytes)", lambda s: s["rss"].get("producer"), rss("producer")),
         Figure("storage bytes", lambda s: s.get("storage_bytes"), None, kept_data),
         Figure("storage objects", lambda s: s.get("storage_objects"), None, kept_data),
     ]

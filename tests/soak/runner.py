@@ -467,6 +467,7 @@ class Soak:
             sample["redis_used_memory"] = sample["redis_keys"] = None
         fds: dict[str, int] = {}
         rss: dict[str, int] = {}
+        counts: dict[str, int] = {}  # processes summed in each figure of `rss`
         with self.lock:
             processes = [*self.fs.stack.processes, ("s3", self.weed.process)]
         for name, popen in processes:
@@ -477,13 +478,16 @@ class Soak:
                     with contextlib.suppress(psutil.Error):
                         fds[group] = fds.get(group, 0) + proc.num_fds()
                         proc_rss = proc.memory_info().rss
-                        rss[group] = rss.get(group, 0) + proc_rss
+                        parts = [group]
                         if group == "worker":  # what a worker keeps in its main process or in its pool's
-                            part = "worker_main" if proc.pid == root.pid else "worker_pool"
+                            parts.append("worker_main" if proc.pid == root.pid else "worker_pool")
+                        for part in parts:
                             rss[part] = rss.get(part, 0) + proc_rss
+                            counts[part] = counts.get(part, 0) + 1
         sample["open_fds"] = fds
         sample["open_fds_total"] = sum(fds.values())
         sample["rss"] = rss
+        sample["processes"] = counts
         sample["worker_rss"] = rss.get("worker")
         try:
             total, count = 0, 0
@@ -657,7 +661,8 @@ class Soak:
             resources.add_column(column, justify="left" if column == "figure" else "right")
         resources.add_column("verdict")
         resource_rows = {}
-        for figure in resource_figures(sorted(end["open_fds"])):
+        processes = {part: max(s.get("processes", {}).get(part, 0) for s in self.samples) for part in end["rss"]}
+        for figure in resource_figures(sorted(end["open_fds"]), processes):
             readable = [(s, v) for s in self.samples if (v := figure.read(s)) is not None]  # not Redis mid-outage
             # Warm: the first sample once a job had ended in which the figure could be read.
             warm = next((v for s, v in readable if s["jobs_finished"] >= 1), None)
