@@ -47,11 +47,12 @@ test: install
 
 # Fault-injection scenarios over real processes; prints the fault table (also build/faults.json).
 # `-o addopts=` lifts the default `-m 'not faults'`; the trainer's resume test is the trainer's fault row, the
-# audit's corrupted-states test the stored data's.
+# audit's tests the stored data's: a clean job, and one job for each kind of corrupted states (tests/faults/report.py).
 faults: install
 	$(EAGLE3) prepare-model smollm2 > /dev/null
 	$(PY) -m pytest -q -o addopts= -p tests.faults.report tests/faults \
 		tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run \
+		tests/integration/test_audit.py::test_a_clean_job_passes_with_every_sample_checked \
 		tests/integration/test_audit.py::test_corrupted_samples_are_flagged_by_sample_and_defect
 
 # Chaos soak (tests/soak; `make test` runs a 3-minute one, tests/soak/test_short_soak.py): jobs of both kinds submitted over SOAK_MINUTES while seeded random

@@ -2,7 +2,8 @@
 and written to build/faults.json.
 
 A scenario records its row through the `fault_table` fixture (tests/faults/conftest.py); the row's result is the
-test's outcome. Scenarios tested elsewhere (the trainer's resume) get a row from their test's outcome alone.
+test's outcome. Scenarios tested elsewhere (the trainer's resume, the audit of corrupted stored states) get a row from
+their test's outcome, and the audit's verdict as its note where the test records one.
 """
 
 import json
@@ -14,16 +15,28 @@ import pytest
 from tests.faults.audit import Audit
 
 REPORT_PATH = Path("build/faults.json")
-# Fault scenarios whose test lives with the code it covers.
+AUDIT_TEST = "tests/integration/test_audit.py"
+CORRUPTED_STATES = f"{AUDIT_TEST}::test_corrupted_samples_are_flagged_by_sample_and_defect"
+# Fault scenarios whose test lives with the code it covers. The stored data's rows are one extraction job each, one
+# sample of it made wrong after its commit and its manifest rewritten to match, so only the audit's recomputation can
+# tell; their tests record the audit's verdict (the user property "audit"), which becomes the row's note.
 EXTERNAL_SCENARIOS = {
     "tests/trainer/test_train.py::test_resume_reproduces_the_uninterrupted_run": (
         "trainer stopped mid-epoch, --resume continues exactly"
     ),
-    "tests/integration/test_audit.py::test_corrupted_samples_are_flagged_by_sample_and_defect": (
-        "stored states wrong but consistent with their manifest (a zeroed layer, two layers swapped, another "
-        "sample's final state, another job's file): the audit names each sample and defect"
+    f"{AUDIT_TEST}::test_a_clean_job_passes_with_every_sample_checked": (
+        "stored states as extracted: the audit checks every sample, passes"
+    ),
+    f"{CORRUPTED_STATES}[zeroed-layer]": "stored states, an aux layer of one sample zeroed: the audit names it",
+    f"{CORRUPTED_STATES}[swapped-layers]": "stored states, two aux layers of one sample swapped: the audit names it",
+    f"{CORRUPTED_STATES}[another-samples-final]": (
+        "stored states, one sample's final state taken from another: the audit names it"
+    ),
+    f"{CORRUPTED_STATES}[another-jobs-sample]": (
+        "stored states, one sample's file replaced by another job's: the audit names it"
     ),
 }
+AUDIT_PROPERTY = "audit"
 
 
 @dataclass
@@ -50,9 +63,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         row = ROWS.get(item.nodeid)
         if row is None and item.nodeid in EXTERNAL_SCENARIOS:
-            row = ROWS[item.nodeid] = Row(EXTERNAL_SCENARIOS[item.nodeid], note="tests/trainer")
+            folder = item.nodeid.split("::")[0].rsplit("/", 1)[0]
+            row = ROWS[item.nodeid] = Row(EXTERNAL_SCENARIOS[item.nodeid], note=folder)
         if row is not None:
             row.outcome = report.outcome
+            row.note = str(dict(report.user_properties).get(AUDIT_PROPERTY, row.note))
     return report
 
 

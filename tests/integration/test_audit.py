@@ -1,7 +1,11 @@
 """The audit kind against a real reference server, real Redis and real storage: a clean extraction job passes, and
-samples corrupted after capture (their manifest rewritten to match, so only the recomputation can tell) are flagged,
-each with the sample and the defect named."""
+a job with one sample corrupted after capture (its manifest rewritten to match, so only the recomputation can tell)
+fails, naming that sample and its defect; each defect in an extraction job of its own.
 
+`make faults` lists these tests as the stored data's rows of the fault table, each with its audit's verdict."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ from shared.errors import SubmitError
 from shared.lifecycle import jobs, shards
 from shared.lifecycle.kind import ShardContext
 from shared.lifecycle.kinds import AUDIT, EXTRACT
-from shared.lifecycle.kinds.audit import report_key
+from shared.lifecycle.kinds.audit import AuditReport, report_key
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample
 from shared.settings import Settings
 from shared.storage import layout
@@ -33,24 +37,32 @@ def run_job(kind: object, job: JobRecord, storage: Storage, redis_url: str, url:
         assert shards.run_shard(kind, job.job_id, shard, ctx).status == "committed"  # type: ignore[arg-type]
 
 
+def submit_extraction(
+    dataset_url: str | None, model_path: str, storage: Storage, settings: Settings, redis_url: str
+) -> JobRecord:
+    """An extraction job of the tiny model in shards of about 200 tokens, its tasks left for `run_job`."""
+    return jobs.submit(
+        JobSpec(dataset_url=dataset_url, model_path=model_path, shard_token_budget=200),
+        settings=settings,
+        storage=storage,
+        client=redis.Redis.from_url(redis_url),
+        enqueue=lambda *task: None,
+    )
+
+
 @pytest.fixture
 def extracted(tmp_path: Path, tiny_model_dir: Path, redis_url: str, reference_server_url: str) -> tuple:
     storage = open_storage((tmp_path / "store").as_uri())
     dataset, _ = write_dataset(tmp_path / "data.jsonl", with_bad_lines=False)
     settings = settings_for(tmp_path, tiny_model_dir, redis_url, storage)
-    client = redis.Redis.from_url(redis_url)
-    job = jobs.submit(
-        JobSpec(dataset_url=str(dataset), model_path=str(tiny_model_dir), shard_token_budget=200),
-        settings=settings,
-        storage=storage,
-        client=client,
-        enqueue=lambda *task: None,
-    )
+    job = submit_extraction(str(dataset), str(tiny_model_dir), storage, settings, redis_url)
     run_job(EXTRACT, job, storage, redis_url, reference_server_url)
     return job, storage, settings
 
 
-def audit(job: JobRecord, storage: Storage, settings: Settings, redis_url: str, url: str, **spec: object):
+def audit(
+    job: JobRecord, storage: Storage, settings: Settings, redis_url: str, url: str, **spec: object
+) -> AuditReport:
     sent: list[tuple] = []
     audit_job = jobs.submit(
         JobSpec(kind="audit", source_job_id=job.job_id, audit_backend_url=url, **spec),
@@ -64,6 +76,16 @@ def audit(job: JobRecord, storage: Storage, settings: Settings, redis_url: str, 
     report = AUDIT.last_report(storage, job.job_id)
     assert report is not None and report.audit_job_id == audit_job.job_id
     return report
+
+
+def verdict_line(report: AuditReport) -> str:
+    """An audit's verdict in one line: the job, what it checked and every failed sample with its reasons."""
+    verdict = "passed" if report.passed else "FAILED"
+    line = (
+        f"audit of {report.source_job_id} {verdict}, {report.samples_checked} samples checked, "
+        f"{report.samples_failed} failed"
+    )
+    return line + "".join(f"; {f.sample_id}: {' | '.join(f.reasons)}" for f in report.failures)
 
 
 def committed_entry(storage: Storage, job: JobRecord, sample_index: int) -> tuple[str, Manifest, ManifestSample]:
@@ -96,10 +118,11 @@ def rewrite(storage: Storage, job: JobRecord, sample_index: int, change) -> str:
 
 
 def test_a_clean_job_passes_with_every_sample_checked(
-    extracted: tuple, redis_url: str, reference_server_url: str
+    extracted: tuple, redis_url: str, reference_server_url: str, record_property: Callable[[str, object], None]
 ) -> None:
     job, storage, settings = extracted
     report = audit(job, storage, settings, redis_url, reference_server_url, audit_fraction=1.0)
+    record_property("audit", verdict_line(report))  # the fault table's note (tests/faults/report.py)
     assert report.passed and report.samples_checked == job.samples_total and report.samples_failed == 0
     assert [layer.name for layer in report.layers][-1] == "final"
     assert all(layer.worst is not None and layer.worst <= 0.05 for layer in report.layers)
@@ -108,21 +131,44 @@ def test_a_clean_job_passes_with_every_sample_checked(
     assert report.independent is False
 
 
-def test_corrupted_samples_are_flagged_by_sample_and_defect(
-    extracted: tuple, redis_url: str, reference_server_url: str
-) -> None:
-    job, storage, settings = extracted
+@dataclass
+class Corruption:
+    """One committed sample made wrong, and what the audit must say about it."""
+
+    sample_id: str
+    expected_reason: str
+
+
+def zero_a_layer(job: JobRecord, storage: Storage, extract_again: Callable[[], JobRecord]) -> Corruption:
+    """Sample 1's middle aux slice zeroed (a capture hook that wrote nothing)."""
     hidden = job.hidden_size
 
     def zero_middle_layer(aux: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         aux[:, hidden : 2 * hidden] = 0
         return aux, final
 
+    sample_id = rewrite(storage, job, 1, zero_middle_layer)
+    return Corruption(sample_id, f"aux layer 1 (model layer {job.aux_layer_ids[1]}): relative error 1.000")
+
+
+def swap_two_layers(job: JobRecord, storage: Storage, extract_again: Callable[[], JobRecord]) -> Corruption:
+    """Sample 2's first two aux slices traded places (a layer-order mix-up)."""
+    hidden = job.hidden_size
+
     def swap_low_layers(aux: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         low, middle = aux[:, :hidden].clone(), aux[:, hidden : 2 * hidden].clone()
         aux[:, :hidden], aux[:, hidden : 2 * hidden] = middle, low
         return aux, final
 
+    sample_id = rewrite(storage, job, 2, swap_low_layers)
+    low, middle = job.aux_layer_ids[:2]
+    return Corruption(sample_id, f"aux slices 0 and 1 (model layers {low} and {middle}) are swapped")
+
+
+def take_another_samples_final_state(
+    job: JobRecord, storage: Storage, extract_again: Callable[[], JobRecord]
+) -> Corruption:
+    """Sample 3's final state taken from sample 0 (states of one request saved under another)."""
     _, _, first_entry = committed_entry(storage, job, 0)
     other = decode_sample(storage.get(first_entry.key))
 
@@ -131,32 +177,60 @@ def test_corrupted_samples_are_flagged_by_sample_and_defect(
         final[1:length] = other["hidden_state"][0, 1:length]  # the first token's state is the same in every sample
         return aux, final
 
-    zeroed = rewrite(storage, job, 1, zero_middle_layer)
-    swapped = rewrite(storage, job, 2, swap_low_layers)
-    foreign = rewrite(storage, job, 3, another_samples_final)
-    # A whole sample file of another job (the same dataset extracted again: a different conversation in its place).
-    other_job = jobs.submit(
-        JobSpec(dataset_url=job.spec.dataset_url, model_path=job.model.path, shard_token_budget=200),
-        settings=settings,
-        storage=storage,
-        client=redis.Redis.from_url(redis_url),
-        enqueue=lambda *task: None,
-    )
-    run_job(EXTRACT, other_job, storage, redis_url, reference_server_url)
-    other_file = storage.get(
-        Manifest.model_validate_json(storage.get(layout.manifest(other_job.job_id, 0))).samples[0].key
-    )
-    misplaced = rewrite_file(storage, job, 4, other_file)
+    return Corruption(rewrite(storage, job, 3, another_samples_final), "final state: relative error")
 
+
+def put_another_jobs_sample_in_place(
+    job: JobRecord, storage: Storage, extract_again: Callable[[], JobRecord]
+) -> Corruption:
+    """Sample 4's file replaced by a whole sample file of another job (the same dataset extracted again, so its
+    sample 0: a different conversation, self-consistent, in sample 4's place)."""
+    other_job = extract_again()
+    other_entry = Manifest.model_validate_json(storage.get(layout.manifest(other_job.job_id, 0))).samples[0]
+    other_file = storage.get(other_entry.key)
+    planned_length = committed_entry(storage, job, 4)[2].num_tokens
+    sample_id = rewrite_file(storage, job, 4, other_file)
+    if other_entry.num_tokens != planned_length:
+        return Corruption(
+            sample_id,
+            f"length: the recomputed input ids are {planned_length}, the stored ones {other_entry.num_tokens}",
+        )
+    return Corruption(sample_id, "input ids: ")
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        pytest.param(zero_a_layer, id="zeroed-layer"),
+        pytest.param(swap_two_layers, id="swapped-layers"),
+        pytest.param(take_another_samples_final_state, id="another-samples-final"),
+        pytest.param(put_another_jobs_sample_in_place, id="another-jobs-sample"),
+    ],
+)
+def test_corrupted_samples_are_flagged_by_sample_and_defect(
+    corrupt: Callable[..., Corruption],
+    extracted: tuple,
+    redis_url: str,
+    reference_server_url: str,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Each defect in an extraction job of its own: the audit fails that job naming the one corrupted sample and its
+    defect, and passes every other sample of it."""
+    job, storage, settings = extracted
+
+    def extract_again() -> JobRecord:
+        other_job = submit_extraction(job.spec.dataset_url, job.model.path, storage, settings, redis_url)
+        run_job(EXTRACT, other_job, storage, redis_url, reference_server_url)
+        return other_job
+
+    corruption = corrupt(job, storage, extract_again)
     report = audit(job, storage, settings, redis_url, reference_server_url, audit_fraction=1.0)
+    record_property("audit", verdict_line(report))  # the fault table's note (tests/faults/report.py)
 
-    assert not report.passed and report.samples_checked == job.samples_total
-    reasons = {failure.sample_id: " | ".join(failure.reasons) for failure in report.failures}
-    assert set(reasons) == {zeroed, swapped, foreign, misplaced}
-    assert f"aux layer 1 (model layer {job.aux_layer_ids[1]}): relative error 1.000" in reasons[zeroed]
-    assert "swapped" in reasons[swapped]
-    assert "final state: relative error" in reasons[foreign]
-    assert "input ids" in reasons[misplaced] or "length" in reasons[misplaced]
+    assert not report.passed and report.samples_checked == job.samples_total and report.samples_failed == 1
+    (failure,) = report.failures
+    assert failure.sample_id == corruption.sample_id
+    assert corruption.expected_reason in " | ".join(failure.reasons)
 
 
 def test_a_file_changed_after_its_commit_is_flagged(
