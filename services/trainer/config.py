@@ -16,6 +16,10 @@ from shared.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
+# Reading processes by default when the samples come from S3 (`read_processes`): a reader's HTTP reads in the training
+# process took the GIL from the step beside it (docs/benchmarks.md).
+REMOTE_READ_PROCESSES = 4
+
 
 class TrainConfig(BaseModel):
     """Every knob of a training run; saved in each checkpoint."""
@@ -77,6 +81,13 @@ class TrainConfig(BaseModel):
         "machine's); 0 disables it",
     )
     io_threads: int = Field(default=4, ge=1, description="parallel sample reads per process")
+    read_processes: int | None = Field(
+        default=None,
+        ge=0,
+        description="processes that read, verify and decode samples, so that the training process keeps its GIL "
+        f"(default: {REMOTE_READ_PROCESSES} from S3, none from a local folder, where reading in threads costs the step "
+        "nothing measurable); 0 reads in the training process's threads",
+    )
     prefetch_groups: int = Field(
         default=2, ge=1, description="optimizer steps' worth of batches loading while the current one trains"
     )
@@ -107,6 +118,14 @@ def compiles_backbone(config: TrainConfig, device_type: str) -> bool:
     return config.compile_backbone if config.compile_backbone is not None else device_type == "cuda"
 
 
+def reading_processes(config: TrainConfig, *, remote_storage: bool) -> int:
+    """How many processes read the run's samples: as set, else REMOTE_READ_PROCESSES from remote storage and none
+    from a local folder."""
+    if config.read_processes is not None:
+        return config.read_processes
+    return REMOTE_READ_PROCESSES if remote_storage else 0
+
+
 # What a resumed run may change; everything else comes from the checkpoint, so the next steps are the same.
 RESUME_OVERRIDES = frozenset(
     {
@@ -122,6 +141,7 @@ RESUME_OVERRIDES = frozenset(
         "cache_budget_bytes",
         "memory_cache_bytes",
         "io_threads",
+        "read_processes",
         "prefetch_groups",
         "model_path",
         "device",

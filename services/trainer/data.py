@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -37,6 +37,7 @@ from typing import Any, Literal, Protocol
 import redis
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 from prometheus_client import Counter as PromCounter
 from pydantic import BaseModel, Field
 
@@ -518,17 +519,23 @@ class SampleCache:
         return data
 
     def put(self, sha256: str, data: bytes) -> None:
-        if len(data) > self.budget_bytes:
+        if len(data) > self.budget_bytes or sha256 in self._entries:
             return
+        tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
+        tmp.write_bytes(data)
+        self.adopt(sha256, tmp, len(data))
+
+    def adopt(self, sha256: str, written: Path, size: int) -> None:
+        """Take a verified copy written under a temporary name in the cache's folder (by this process or a reading
+        process) as the entry of `sha256`; a copy not wanted (already cached, or over the budget) is removed."""
         with self._lock:
-            if sha256 in self._entries:
+            if sha256 in self._entries or size > self.budget_bytes:
+                written.unlink(missing_ok=True)
                 return
-            self._evict(len(data))
-            tmp = self.directory / f".tmp-{uuid.uuid4().hex}"
-            tmp.write_bytes(data)
-            os.replace(tmp, self.directory / sha256)
-            self._entries[sha256] = len(data)
-            self.used_bytes += len(data)
+            self._evict(size)
+            os.replace(written, self.directory / sha256)
+            self._entries[sha256] = size
+            self.used_bytes += size
 
     def _evict(self, incoming: int) -> None:
         while self._entries and self.used_bytes + incoming > self.budget_bytes:
@@ -621,6 +628,7 @@ class SampleLoader:
         cache: SampleCache | None = None,
         decoded: DecodedSampleCache | None = None,
         io_threads: int = 4,
+        read_processes: int = 0,
         stats: DataStats | None = None,
         token_embedding: torch.Tensor | None = None,
         pin_memory: bool = False,
@@ -631,10 +639,24 @@ class SampleLoader:
         self.pin_memory = pin_memory  # batches in page-locked memory, for a GPU to copy without blocking the step
         self.stats = stats or DataStats()
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="sample-io")
+        # With read_processes, a sample's read, sha256 and decode run in processes of their own (see
+        # `read_in_process`), each thread of the pool above waiting for one: the training process keeps its GIL.
+        self._readers = (
+            ProcessPoolExecutor(
+                max_workers=read_processes,
+                mp_context=torch.multiprocessing.get_context("spawn"),
+                initializer=_open_reading_process,
+                initargs=(storage,),
+            )
+            if read_processes > 0
+            else None
+        )
         self._lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.shutdown()
+        if self._readers is not None:
+            self._readers.shutdown()
 
     def load(self, planned: PlannedBatch, stats: DataStats | None = None) -> Batch | None:
         """The collated batch, or None if every sample of it was skipped. Counts into `stats` (default: the
@@ -673,38 +695,98 @@ class SampleLoader:
 
     def _read_record(self, sample: ManifestSample) -> dict[str, torch.Tensor]:
         data = self.cache.get(sample.sha256, sample.bytes) if self.cache else None
-        if data is None:
-            try:
-                data = _retry(lambda: self.storage.get(sample.key), sample.key)
-            except ObjectNotFound:
-                raise SkippedSample(sample.key, "missing", "not in storage") from None
-            if len(data) != sample.bytes:
-                raise SkippedSample(sample.key, "size", f"{len(data)} bytes, manifest says {sample.bytes}")
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != sample.sha256:
-                raise SkippedSample(sample.key, "sha256", f"{digest}, manifest says {sample.sha256}")
-            if self.cache:
-                self.cache.put(sample.sha256, data)
-        try:
-            record = decode_sample(data)
-        except (InvalidCapture, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
-            raise SkippedSample(sample.key, "decode", str(exc)) from None
-        length, width = sample.num_tokens, self.hidden_size
-        expected = {
-            "input_ids": ((length,), torch.long),
-            "loss_mask": ((length,), torch.long),
-            "aux_hidden_state": ((1, length, NUM_AUX_LAYERS * width), HIDDEN_DTYPE),
-            "hidden_state": ((1, length, width), HIDDEN_DTYPE),
-        }
-        for name, (shape, dtype) in expected.items():
-            tensor = record[name]
-            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                raise SkippedSample(
-                    sample.key,
-                    "shape",
-                    f"{name} is {tensor.dtype} {list(tensor.shape)}, expected {dtype} {list(shape)}",
-                )
-        return {name: record[name] for name in expected}
+        if data is not None:
+            return decode_verified(data, sample, self.hidden_size)
+        if self._readers is not None:
+            cache_dir = str(self.cache.directory) if self.cache else None
+            read = self._readers.submit(read_in_process, sample, self.hidden_size, cache_dir).result()
+            if read.skipped is not None:
+                raise SkippedSample(sample.key, *read.skipped)
+            if self.cache and read.cached_copy is not None:
+                self.cache.adopt(sample.sha256, Path(read.cached_copy), sample.bytes)
+            assert read.record is not None  # a read either skipped the sample or decoded it
+            return read.record
+        data = fetch_verified(self.storage, sample)
+        if self.cache:
+            self.cache.put(sample.sha256, data)
+        return decode_verified(data, sample, self.hidden_size)
+
+
+def fetch_verified(storage: Storage, sample: ManifestSample) -> bytes:
+    """The sample's file, checked against its manifest entry (size, sha256)."""
+    try:
+        data = _retry(lambda: storage.get(sample.key), sample.key)
+    except ObjectNotFound:
+        raise SkippedSample(sample.key, "missing", "not in storage") from None
+    if len(data) != sample.bytes:
+        raise SkippedSample(sample.key, "size", f"{len(data)} bytes, manifest says {sample.bytes}")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sample.sha256:
+        raise SkippedSample(sample.key, "sha256", f"{digest}, manifest says {sample.sha256}")
+    return data
+
+
+def decode_verified(data: bytes, sample: ManifestSample, hidden_size: int) -> dict[str, torch.Tensor]:
+    """The fields a batch needs of a verified file, each of the shape and dtype its manifest entry implies."""
+    try:
+        record = decode_sample(data)
+    except (InvalidCapture, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise SkippedSample(sample.key, "decode", str(exc)) from None
+    length, width = sample.num_tokens, hidden_size
+    expected = {
+        "input_ids": ((length,), torch.long),
+        "loss_mask": ((length,), torch.long),
+        "aux_hidden_state": ((1, length, NUM_AUX_LAYERS * width), HIDDEN_DTYPE),
+        "hidden_state": ((1, length, width), HIDDEN_DTYPE),
+    }
+    for name, (shape, dtype) in expected.items():
+        tensor = record[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise SkippedSample(
+                sample.key,
+                "shape",
+                f"{name} is {tensor.dtype} {list(tensor.shape)}, expected {dtype} {list(shape)}",
+            )
+    return {name: record[name] for name in expected}
+
+
+# A reading process's storage client, opened once by `_open_reading_process` when the process starts.
+_reading_storage: Storage | None = None
+
+
+def _open_reading_process(storage: Storage) -> None:
+    global _reading_storage
+    _reading_storage = storage  # a copy of the trainer's (its settings and URL; its own HTTP connections)
+    torch.set_num_threads(1)  # decoding is a copy: no thread pool of its own per process
+
+
+@dataclass(frozen=True)
+class ProcessRead:
+    """What a reading process sends back for one sample: its decoded fields (in shared memory: torch's
+    multiprocessing moves a tensor's storage there rather than through the pipe), or why it was skipped; and, with a
+    cache, the verified copy it wrote under a temporary name for the trainer's cache to take."""
+
+    record: dict[str, torch.Tensor] | None
+    skipped: tuple[str, str] | None  # (reason, detail) of a SkippedSample
+    cached_copy: str | None
+
+
+def read_in_process(sample: ManifestSample, hidden_size: int, cache_dir: str | None) -> ProcessRead:
+    """A sample read, verified and decoded in a reading process. An HTTP read of tens of megabytes in Python takes
+    the GIL thousands of times (each received chunk); in the training process's threads it made the step beside it
+    1.34x slower on an H200 host reading from S3 (docs/benchmarks.md)."""
+    assert _reading_storage is not None  # set by the pool's initializer
+    try:
+        data = fetch_verified(_reading_storage, sample)
+        record = decode_verified(data, sample, hidden_size)
+    except SkippedSample as exc:
+        return ProcessRead(record=None, skipped=(exc.reason, exc.detail), cached_copy=None)
+    cached_copy = None
+    if cache_dir is not None:
+        written = Path(cache_dir) / f".tmp-{uuid.uuid4().hex}"
+        written.write_bytes(data)
+        cached_copy = str(written)
+    return ProcessRead(record=record, skipped=None, cached_copy=cached_copy)
 
 
 def _truncate(name: str, tensor: torch.Tensor, max_length: int) -> torch.Tensor:

@@ -4,8 +4,7 @@ readable reference, which the CPU runs and the tests compare against):
 - `diagonal_merge_forward` / `diagonal_merge_backward`: the TTT attention's diagonal merges
   (`drafter.diagonal_merge_forward` / `_backward`), each row's work done in registers in one pass over its inputs.
 - `soft_cross_entropy_with_grad`: a step's soft cross-entropy against the teacher, its gradient with respect to the
-  logits and their argmax (`loss.soft_cross_entropy_with_grad`), two passes over each row's logits and teacher
-  (not yet the default: `loss.SOFT_CROSS_ENTROPY_ON_CUDA` says why).
+  logits and their argmax (`loss.soft_cross_entropy_with_grad`), two passes over each row's logits and teacher.
 
 Inductor's kernels compiled from the same expressions ran 4-7x slower than the bytes they move at 8B dims (a merge's
 backward 1.39 ms at 1x8192 on an H100, the soft cross-entropy 3.2 ms a step on an H200: docs/benchmarks.md): they

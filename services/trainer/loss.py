@@ -117,12 +117,12 @@ def soft_cross_entropy_with_grad(logits: Tensor, teacher_p: Tensor, weight: Tens
     return (cross_entropy * weight).sum(), grad.to(logits.dtype), logits.argmax(-1)
 
 
-# Which kernel computes it on CUDA: "compiled" (Inductor's fused reduction from the expressions above, which reads
-# each row several times: 3.2 ms a step at 1x8192 on an H200, docs/benchmarks.md), "triton" (services/trainer/
-# kernels.py: two passes over each row's logits and teacher, the logsumexp online; checked against the expressions
-# above in Triton's interpreter, not yet timed on a GPU, so not yet the default: `bench/vs_specforge.py`'s variant
-# `triton_cross_entropy` times it) or "eager" (as written). Elsewhere (tests, fp32 CPU runs) it runs as written.
-SOFT_CROSS_ENTROPY_ON_CUDA = "compiled"
+# Which kernel computes it on CUDA: "triton" (services/trainer/kernels.py: two passes over each row's logits and
+# teacher, the logsumexp online; 0.95-0.96x the step of "compiled" with every position learned at 4x2048 and 1x8192 on
+# an H100, docs/benchmarks.md), "compiled" (Inductor's fused reduction from the expressions above, which reads each
+# row several times: 3.2 ms a step at 1x8192 on an H200; `bench/vs_specforge.py`'s variant `compiled_cross_entropy`)
+# or "eager" (as written). Elsewhere (tests, fp32 CPU runs) it runs as written.
+SOFT_CROSS_ENTROPY_ON_CUDA = "triton"
 SOFT_CROSS_ENTROPY_KERNELS = ("triton", "compiled", "eager")
 
 

@@ -16,6 +16,7 @@ BATCHES = 3  # two 32-token samples fill a 64-token batch
 REPEATS = 2
 STEP_MS = [0.0, 5.0]
 PYTHON_STEP_MS = 5.0
+READ_PROCESSES = [0, 2]  # the loader's threads reading, then two reading processes
 THROUGHPUT_FIELDS = {"gb_s", "ratio_to_raw", "seconds", "ms_per_batch", "repeats"}
 WAIT_FIELDS = {
     "ms_per_step",
@@ -32,7 +33,8 @@ def run_bench(storage: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess
     out = tmp_path / "loader.json"
     command = [sys.executable, "-m", "bench.loader", "--hidden", "64", "--tokens-per-sample", "32",
                "--samples", str(SAMPLES), "--shard-samples", str(SHARD_SAMPLES), "--batch-tokens", "64",
-               "--io-threads", "2", "--storage", storage, "--step-ms", ",".join(f"{ms:g}" for ms in STEP_MS),
+               "--io-threads", "2", "--read-processes", ",".join(map(str, READ_PROCESSES)), "--storage", storage,
+               "--step-ms", ",".join(f"{ms:g}" for ms in STEP_MS),
                "--python-step-ms", f"{PYTHON_STEP_MS:g}", "--repeats", str(REPEATS), "--dir", str(tmp_path),
                "--json", str(out)]  # fmt: skip
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300), out
@@ -56,11 +58,13 @@ def test_loader_bench_reads_and_verifies_every_sample(storage: str, tmp_path: Pa
     job = report["job"]
     assert (job["samples"], job["shards"], job["batches"]) == (SAMPLES, 2, BATCHES) and job["bytes"] > 0
     check_summary(report["raw_read"], THROUGHPUT_FIELDS)
-    check_summary(report["loader"], THROUGHPUT_FIELDS)
+    assert [loader["read_processes"] for loader in report["loader"]] == READ_PROCESSES
+    for loader in report["loader"]:
+        check_summary(loader, THROUGHPUT_FIELDS)
 
-    assert [loop["step"] for loop in report["training_loop"]] == [
-        *(f"{ms:g} ms step" for ms in STEP_MS),
-        f"{PYTHON_STEP_MS:g} ms Python step",
+    steps = [*(f"{ms:g} ms step" for ms in STEP_MS), f"{PYTHON_STEP_MS:g} ms Python step"]
+    assert [(loop["step"], loop["read_processes"]) for loop in report["training_loop"]] == [
+        (step, n) for step in steps for n in READ_PROCESSES
     ]
     for loop in report["training_loop"]:
         check_summary(loop, THROUGHPUT_FIELDS | WAIT_FIELDS)

@@ -180,8 +180,14 @@ def test_shard_with_other_layer_ids_than_its_job_is_refused(job: JobRecord, stor
         follower.poll()
 
 
+# The loader reads in its own threads, or in reading processes (what it reads from S3 by default): the same checks,
+# the same batches.
+READ_PROCESSES = [pytest.param(0, id="threads"), pytest.param(2, id="processes")]
+
+
+@pytest.mark.parametrize("read_processes", READ_PROCESSES)
 def test_missing_and_corrupted_objects_are_skipped_and_counted(
-    job: JobRecord, storage: Storage, redis_url: str, tmp_path: Path
+    job: JobRecord, storage: Storage, redis_url: str, read_processes: int
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     manifests = [commit_random_shard(storage, client, job, k) for k in range(job.shards_total)]
@@ -199,7 +205,9 @@ def test_missing_and_corrupted_objects_are_skipped_and_counted(
         )
 
     before = {reason: skipped(reason) for reason in ("sha256", "missing")}
-    loader = SampleLoader(storage, job_id=job.job_id, hidden_size=job.hidden_size, cache=None, io_threads=2)
+    loader = SampleLoader(
+        storage, job_id=job.job_id, hidden_size=job.hidden_size, cache=None, io_threads=2, read_processes=read_processes
+    )
     batches = [loader.load(b) for b in plan_all(manifests, batch_tokens=512, max_length=512)]
     loader.close()
     assert sum(b.input_ids.shape[0] for b in batches if b is not None) == len(samples) - 2
@@ -346,14 +354,21 @@ def test_cache_evicts_least_recently_used_under_its_budget(tmp_path: Path) -> No
     assert restarted.used_bytes == 100 and restarted.get("c", 100) is not None  # c was used last
 
 
+@pytest.mark.parametrize("read_processes", READ_PROCESSES)
 def test_loader_serves_verified_samples_from_its_cache(
-    job: JobRecord, storage: Storage, redis_url: str, tmp_path: Path
+    job: JobRecord, storage: Storage, redis_url: str, tmp_path: Path, read_processes: int
 ) -> None:
     manifest = commit_random_shard(storage, redis.Redis.from_url(redis_url), job, 0)
     cache = SampleCache(tmp_path / "cache", budget_bytes=10**9)
-    loader = SampleLoader(storage, job_id=job.job_id, hidden_size=job.hidden_size, cache=cache)
+    loader = SampleLoader(
+        storage, job_id=job.job_id, hidden_size=job.hidden_size, cache=cache, read_processes=read_processes
+    )
     planned = plan_all([manifest], batch_tokens=1024, max_length=1024)
     first = [loader.load(b) for b in planned]
+    # every sample's verified copy is in the cache, under its sha256 (a reading process wrote it, the loader took it)
+    cached = sorted(path.name for path in (tmp_path / "cache").iterdir())
+    assert cached == sorted({sample.sha256 for sample in manifest.samples})
+    assert cache.used_bytes == sum({sample.sha256: sample.bytes for sample in manifest.samples}.values())
     for sample in manifest.samples:
         storage.delete(sample.key)  # from now on only the cache has them
     again = [loader.load(b) for b in planned]
