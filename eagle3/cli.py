@@ -30,8 +30,8 @@ def cmd_prepare_model(args: argparse.Namespace, settings: Settings) -> None:
     print(resolve_model_path(args.model))
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """Every subcommand; with `command`, the one about to run is the only one given its job kind's own options."""
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand."""
     parser = argparse.ArgumentParser(prog="eagle3", description="EAGLE-3 hidden-state factory")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("api", help="run the producer API").set_defaults(func=cmd_api)
@@ -42,7 +42,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default="smollm2")
     p.set_defaults(func=cmd_prepare_model)
     worker_cli.add_parsers(sub)
-    jobs_cli.add_parsers(sub, command)
+    jobs_cli.add_parsers(sub)
     retention.add_parsers(sub)
     demo.add_parsers(sub)
     gpu_demo.add_gpu_arguments(sub.choices["demo"])
@@ -57,9 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the progress bar
     argv = sys.argv[1:] if argv is None else argv
-    # The first word that is not an option is the subcommand (`eagle3 --help` has none).
-    command = next((arg for arg in argv if not arg.startswith("-")), "")
-    args = build_parser(command).parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         args.func(args, get_settings())
     except Eagle3Error as exc:

@@ -1,5 +1,6 @@
-"""`eagle3` job commands, all through the producer API: submit, regenerate, status (with a live progress bar), jobs,
-cancel, resume; and `up`, the stack as local processes."""
+"""`eagle3` job commands, all through the producer API: one per job kind (submit, regenerate, audit: each built from
+its kind's declaration), status (with a live progress bar), jobs, cancel, resume; and `up`, the stack as local
+processes."""
 
 import argparse
 import json
@@ -8,9 +9,10 @@ import signal
 import time
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from pydantic.fields import FieldInfo
@@ -23,6 +25,9 @@ from eagle3.local_stack import LocalStack
 from eagle3.retention import human_size
 from shared import access
 from shared.errors import Eagle3Error
+from shared.lifecycle.command import ResultTable
+from shared.lifecycle.kind import JobKind
+from shared.lifecycle.kinds import KINDS
 from shared.lifecycle.schemas import JobSpec
 from shared.lifecycle.schemas import Progress as JobProgress
 from shared.settings import Settings
@@ -131,29 +136,18 @@ def watch(
     return p
 
 
-# The job commands' options are JobSpec's fields (type, choices and help from the schema), so they cannot drift.
-EXTRACTION_OPTIONS = (
-    "model_path",
-    "job_id",
-    "max_length",
-    "length_policy",
-    "draft_vocab_size",
-    "shard_token_budget",
-    "shard_seconds",
-    "storage_dtype",
-)
-# A kind's own options are its declaration (KindOptions, shared/lifecycle/kinds/): its command offers them all, by the
-# flags the declaration names (CLI_FLAGS), but the ones it takes another way (CLI_ELSEWHERE).
-AUDIT_COMMON_OPTIONS = ("shard_token_budget", "job_id")
+# A kind's command (`eagle3 submit`, `regenerate`, `audit`, one per registered kind) is its declaration
+# (JobKind.command, shared/lifecycle/command.py): built here, its options JobSpec's and the kind's fields (type,
+# choices and help from the schema, so they cannot drift), what it shows after the submit the kind's `follow`.
 FLAGS: dict[str, tuple[str, ...]] = {"model_path": ("--model", "--model-path")}
-AUDIT_REPORT_WAIT_S = 60.0  # the last shard's worker writes the report just after its commit
+DATASET_HELP = "JSONL path or URL (file://, s3://)"
 
 
 def add_spec_options(
     parser: argparse.ArgumentParser,
     names: tuple[str, ...],
     fields: dict[str, FieldInfo] = JobSpec.model_fields,
-    flags: dict[str, tuple[str, ...]] = FLAGS,
+    flags: Mapping[str, tuple[str, ...]] = FLAGS,
 ) -> None:
     for name in names:
         field = fields[name]
@@ -172,39 +166,56 @@ def add_spec_options(
         parser.add_argument(*flags.get(name, ("--" + name.replace("_", "-"),)), **options)
 
 
-def kind_options(kind: str) -> dict[str, FieldInfo]:
-    """The options a kind declares that its command offers as flags. Imported when asked: the kinds load torch,
-    which the job commands (they only talk to the API) do not need to start."""
-    from shared.lifecycle.kinds import KINDS
-
-    options = KINDS[kind].options
-    return {name: field for name, field in options.model_fields.items() if name not in options.CLI_ELSEWHERE}
-
-
-def add_kind_options(parser: argparse.ArgumentParser, kind: str) -> None:
-    from shared.lifecycle.kinds import KINDS
-
-    fields = kind_options(kind)
-    add_spec_options(parser, tuple(fields), fields, FLAGS | KINDS[kind].options.CLI_FLAGS)
-
-
-def spec_of(args: argparse.Namespace, names: tuple[str, ...], **fields: Any) -> dict[str, Any]:
-    given = {name: getattr(args, name) for name in names if getattr(args, name) not in (None, False)}
-    return fields | given
-
-
-def cmd_submit(args: argparse.Namespace, settings: Settings) -> None:
-    spec = spec_of(args, EXTRACTION_OPTIONS)
-    with api_client(settings) as api:
-        job = post_job(api, args.dataset, spec, upload=args.upload)
-        job_id = job["job"]["job_id"]
-        console.print(
-            f"submitted [bold]{job_id}[/]: {job['job']['samples_total']} samples "
-            f"({job['job']['samples_rejected']} rejected), {job['job']['tokens_total']} tokens, "
-            f"{job['job']['shards_total']} shards"
+def add_kind_command(sub: argparse._SubParsersAction, kind: JobKind) -> None:
+    """`eagle3 <command>` of a kind: the dataset (a kind that reads one), its positionals, the common options it
+    offers, every option of its own, --upload, --watch and --json as it declares them."""
+    command = kind.command
+    p = sub.add_parser(kind.command_name, help=command.help, description=command.description)
+    if kind.reads_dataset:
+        p.add_argument("dataset", help=DATASET_HELP)
+    fields = JobSpec.model_fields | kind.options.model_fields
+    for positional in command.positionals:
+        p.add_argument(
+            positional.field, metavar=positional.metavar, help=positional.help or fields[positional.field].description
         )
-        if args.watch:
-            console.print(progress_table(watch(job_id, api)))
+    add_spec_options(p, command.common_options)
+    taken = {positional.field for positional in command.positionals}
+    own = {name: field for name, field in kind.options.model_fields.items() if name not in taken}
+    add_spec_options(p, tuple(own), own, command.flags)
+    if kind.reads_dataset:
+        p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
+    if command.watch_help is not None:
+        p.add_argument("--watch", action="store_true", help=command.watch_help)
+    if command.json_result:
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_kind, job_kind=kind.name)
+
+
+def spec_of(args: argparse.Namespace, kind: JobKind) -> dict[str, Any]:
+    """The submit body: the kind, and every field its command offers that was given."""
+    names = (*kind.command.common_options, *kind.options.model_fields)
+    given = {name: getattr(args, name) for name in names if getattr(args, name) not in (None, False)}
+    for name in kind.command.local_paths:
+        if name in given:
+            given[name] = absolute(given[name])
+    return {"kind": kind.name, **given}
+
+
+def absolute(location: str) -> str:
+    """A URL as given; a path on this machine made absolute, since the producer runs elsewhere."""
+    return location if "://" in location else str(Path(location).resolve())
+
+
+def cmd_kind(args: argparse.Namespace, settings: Settings) -> None:
+    kind = KINDS[args.job_kind]
+    spec = spec_of(args, kind)
+    with api_client(settings) as api:
+        if kind.reads_dataset:
+            job = post_job(api, args.dataset, spec, upload=args.upload)
+        else:
+            job = check(api.post("/v1/jobs", json=spec))
+        session = ApiSession(api, watching=getattr(args, "watch", False), as_json=getattr(args, "json", False))
+        kind.follow(job["job"], session)
 
 
 def post_job(api: httpx.Client, dataset: str, spec: dict, *, upload: bool) -> dict:
@@ -212,107 +223,49 @@ def post_job(api: httpx.Client, dataset: str, spec: dict, *, upload: bool) -> di
     if upload:
         with open(dataset, "rb") as f:
             return check(api.post("/v1/jobs/upload", files={"dataset": f}, data={"spec": json.dumps(spec)}))
-    url = dataset if "://" in dataset else str(Path(dataset).resolve())
-    return check(api.post("/v1/jobs", json={**spec, "dataset_url": url}))
+    return check(api.post("/v1/jobs", json={**spec, "dataset_url": absolute(dataset)}))
 
 
-def cmd_regenerate(args: argparse.Namespace, settings: Settings) -> None:
-    spec = spec_of(args, EXTRACTION_OPTIONS + tuple(kind_options("regenerate")), kind="regenerate")
-    if args.out is not None:
-        spec["output_url"] = args.out if "://" in args.out else str(Path(args.out).resolve())
-    with api_client(settings) as api:
-        job = post_job(api, args.dataset, spec, upload=args.upload)
-        watch_regeneration(job["job"], api, watch_it=args.watch)
+class ApiSession:
+    """What a kind's command does after its submit (CommandSession), through the producer API and this terminal; with
+    --json, stdout holds the result alone and everything else goes to stderr."""
+
+    def __init__(self, api: httpx.Client, *, watching: bool, as_json: bool) -> None:
+        self.api = api
+        self.watching = watching
+        self.as_json = as_json
+        self.out = Console(stderr=True) if as_json else console
+
+    def say(self, markup: str) -> None:
+        self.out.print(markup)
+
+    def watch(self, job_id: str) -> JobProgress:
+        return watch(job_id, self.api, out=self.out)
+
+    def show_progress(self, progress: JobProgress) -> None:
+        self.out.print(progress_table(progress))
+
+    def get(self, path: str) -> Any | None:
+        response = self.api.get(path)
+        return None if response.status_code == 404 else check(response)
+
+    def result(self, data: Mapping[str, Any], table: ResultTable) -> None:
+        if self.as_json:
+            print(json.dumps(data, indent=2))
+        else:
+            console.print(rich_table(table))
+
+    def fail(self, message: str) -> NoReturn:
+        raise SystemExit(message)
 
 
-def cmd_audit(args: argparse.Namespace, settings: Settings) -> None:
-    names = AUDIT_COMMON_OPTIONS + tuple(kind_options("audit"))
-    spec = spec_of(args, names, kind="audit", source_job_id=args.source_job_id)
-    out = Console(stderr=True) if args.json else console  # --json: stdout holds the report alone
-    with api_client(settings) as api:
-        record = check(api.post("/v1/jobs", json=spec))["job"]
-        backend = record["spec"].get("audit_backend_url") or "the reference server"
-        out.print(
-            f"submitted audit [bold]{record['job_id']}[/] of {args.source_job_id}: {record['samples_total']} samples "
-            f"recomputed by {backend}"
-        )
-        p = watch(record["job_id"], api, out=out)
-        if p.state != "completed":
-            raise SystemExit(f"audit {p.job_id} ended {p.state}")
-        report = audit_report(api, args.source_job_id, record["job_id"])
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        console.print(audit_table(report))
-    if not report["passed"]:
-        raise SystemExit(f"audit of {args.source_job_id} failed: {report['samples_failed']} samples")
-
-
-def audit_report(api: httpx.Client, source_job_id: str, audit_job_id: str) -> dict:
-    """The source job's report, once this audit has written it."""
-    deadline = time.monotonic() + AUDIT_REPORT_WAIT_S
-    while True:
-        response = api.get(f"/v1/jobs/{source_job_id}/audit")
-        if response.status_code != 404:
-            report = check(response)
-            if report["audit_job_id"] == audit_job_id:
-                return report
-        if time.monotonic() > deadline:
-            raise SystemExit(f"audit {audit_job_id} completed but wrote no report within {AUDIT_REPORT_WAIT_S:.0f} s")
-        time.sleep(1)
-
-
-def audit_table(report: dict) -> Table:
-    verdict = "[green]passed[/]" if report["passed"] else "[red]FAILED[/]"
-    limits = report["tolerances"]
-    table = Table(
-        title=f"audit {report['audit_job_id']} of {report['source_job_id']}: {verdict}, "
-        f"{report['samples_checked']} samples checked, {report['samples_failed']} failed",
-        caption=f"relative error per token (RMS); tolerances ({report['storage_dtype']}): aux {limits['aux']}, "
-        f"final {limits['final']}; recomputed by {report['backend'].get('backend')} at {report['backend'].get('url')}"
-        + independence(report),
-    )
-    table.add_column("layer")
-    table.add_column("median", justify="right")
-    table.add_column("worst", justify="right")
-    for layer in report["layers"]:
-        table.add_row(layer["name"], *(f"{layer[k]:.4f}" if layer[k] is not None else "-" for k in ("median", "worst")))
-    for failure in report["failures"]:
-        table.add_row(f"[red]{failure['sample_id']}[/]", "", "; ".join(failure["reasons"]))
-    return table
-
-
-def independence(report: dict) -> str:
-    """What the audit's backend says about the extracting one: a check by the same kind of server is no check of it."""
-    source = report.get("source_backend") or {}
-    if report.get("independent") is False:
-        return (
-            f"\n[yellow]the same kind of server ({source.get('backend')}) extracted these states: a defect of that "
-            "server itself is not caught (--backend reference, with EAGLE3_REFERENCE_URL set, recomputes with the "
-            "transformers reference server)[/]"
-        )
-    return f"; extracted by {source['backend']} {source.get('version', '')}" if source else ""
-
-
-def watch_regeneration(record: dict, api: httpx.Client, *, watch_it: bool) -> None:
-    plan = record["regeneration"]
-    console.print(
-        f"submitted [bold]{record['job_id']}[/]: {record['samples_total']} conversations "
-        f"({record['samples_rejected']} rejected), {plan['assistant_turns_total']} assistant turns to regenerate, "
-        f"{record['shards_total']} shards; output {plan['output_key']}"
-        + (f" and {plan['output_url']}" if plan["output_url"] else "")
-    )
-    if plan["chained_job_id"]:
-        console.print(f"then extraction job [bold]{plan['chained_job_id']}[/] on the regenerated conversations")
-    if record["spec"]["then_train"]:
-        console.print(f"train on it with: eagle3 train --job {record['job_id']} --follow")
-    if not watch_it:
-        return
-    p = watch(record["job_id"], api)
-    console.print(progress_table(p))
-    chained = p.regeneration.chained_job_id if p.regeneration else None
-    if chained is not None:
-        console.print(progress_table(watch(chained, api)))
+def rich_table(table: ResultTable) -> Table:
+    rendered = Table(title=table.title, caption=table.caption or None)
+    for column in table.columns:
+        rendered.add_column(column, justify="right" if column in table.numeric else "left")
+    for row in table.rows:
+        rendered.add_row(*row)
+    return rendered
 
 
 def cmd_status(args: argparse.Namespace, settings: Settings) -> None:
@@ -392,43 +345,10 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> None:
             token_file.unlink(missing_ok=True)
 
 
-def add_parsers(sub: argparse._SubParsersAction, command: str | None = None) -> None:
-    """The job commands. A kind's own options are added to its command only when that command runs (or when every
-    command is built, command None): reading them loads the kinds."""
-    p = sub.add_parser("submit", help="submit an extraction job to the producer API")
-    p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
-    add_spec_options(p, EXTRACTION_OPTIONS)
-    p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
-    p.add_argument("--watch", action="store_true", help="show a live progress bar until the job finishes")
-    p.set_defaults(func=cmd_submit)
-
-    p = sub.add_parser(
-        "regenerate",
-        help="submit a regenerate job: the target rewrites every assistant turn (docs/regeneration.md)",
-        description="The extraction options (--max-length ... --shard-token-budget) apply to the chained extraction "
-        "job (--then-extract).",
-    )
-    p.add_argument("dataset", help="JSONL path or URL (file://, s3://)")
-    p.add_argument("--out", help="also write the regenerated JSONL here (under EAGLE3_DATASET_ROOTS, or s3://)")
-    add_spec_options(p, EXTRACTION_OPTIONS)
-    if command in (None, "regenerate"):
-        add_kind_options(p, "regenerate")
-    p.add_argument("--upload", action="store_true", help="upload the file instead of passing its path")
-    p.add_argument("--watch", action="store_true", help="live progress until it (and the chained job) finishes")
-    p.set_defaults(func=cmd_regenerate)
-
-    p = sub.add_parser(
-        "audit",
-        help="re-check a job's committed hidden states: a seeded sample recomputed by an independent backend",
-        description="Submits a job of kind audit, follows it, prints the errors per layer and every failed sample, "
-        "and exits 1 when the audit failed. The verdict is kept with the job (`eagle3 train` warns on a failed one).",
-    )
-    p.add_argument("source_job_id", metavar="JOB", help="the extraction job to audit")
-    add_spec_options(p, AUDIT_COMMON_OPTIONS)
-    if command in (None, "audit"):
-        add_kind_options(p, "audit")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=cmd_audit)
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """The job commands: one per registered kind, then those of any job."""
+    for kind in KINDS.values():
+        add_kind_command(sub, kind)
 
     p = sub.add_parser("status", help="token-weighted progress of a job")
     p.add_argument("job_id")

@@ -11,9 +11,11 @@ reads, validated at submit and whenever job.json is read), what it records in jo
 (`record`, checked the same way), what a shard input is (`plan`, `input_type`), what
 processing a shard means (`process`), what its committed output is (`manifest_type`), which counters of its own that
 output adds to the job's progress (`counters`), whether the job needs one more step after its last shard before it is
-complete (`finalizes`) and which job a drafter trains on (`training_job`). Adding a kind is one new module in
-shared/lifecycle/kinds/ and one line in its `__init__.py`; the registry there refuses a kind that leaves one of these
-declarations out.
+complete (`finalizes`), which job a drafter trains on (`training_job`), and its command on the command line
+(`command`: `eagle3 <name>` and its arguments; `follow`: what it shows once the job is submitted). Adding a kind is
+one new module in shared/lifecycle/kinds/ and one line in its `__init__.py`; the registry there refuses a kind that
+leaves one of these declarations out. A kind module loads nothing heavy at import (torch, the capture client): the
+command line reads the registry to build its commands, and imports what a kind's work needs where it needs it.
 """
 
 import json
@@ -23,22 +25,25 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar
 
 import redis
 from pydantic import BaseModel, ConfigDict
 from redis.typing import EncodableT, FieldT
 
-from shared.capture.protocol import ModelInfo, default_aux_layer_ids
 from shared.data.datasets import Conversation
 from shared.data.model_assets import language_model_config
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import ModelMismatch
+from shared.lifecycle.command import CommandSession, KindCommand
 from shared.lifecycle.queue import task_name
 from shared.lifecycle.schemas import DeadLetter, FailedConversation, JobRecord, JobSpec, ModelRecord
 from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import ObjectNotFound, Storage
+
+if TYPE_CHECKING:  # the capture protocol loads torch, which the registry of kinds must not (the command line reads it)
+    from shared.capture.protocol import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +64,6 @@ class KindOptions(BaseModel):
     the same flat submit body and recorded in job.json's spec; a key no field of the job's kind names is refused."""
 
     model_config = ConfigDict(extra="forbid")
-
-    # How the kind's command (`eagle3 <kind>`) offers its options: every field as --field-name, but those named here
-    # by their own flags, and none of those it takes another way (a positional argument, a flag of its own).
-    CLI_FLAGS: ClassVar[dict[str, tuple[str, ...]]] = {}
-    CLI_ELSEWHERE: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def of(cls, spec: JobSpec) -> Self:
@@ -158,6 +158,8 @@ class TargetModel:
 
     @classmethod
     def read(cls, path: Path, aux_layer_ids: list[int] | None) -> "TargetModel":
+        from shared.capture.protocol import default_aux_layer_ids  # loads torch: only where a model is read
+
         config = json.loads((path / "config.json").read_text())
         ids = aux_layer_ids or default_aux_layer_ids(int(language_model_config(config)["num_hidden_layers"]))
         return TargetModel(path=path, config=config, aux_layer_ids=ids)
@@ -207,6 +209,8 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     options: ClassVar[type[KindOptions]]
     record: ClassVar[type[KindRecord]]
     finalizes: ClassVar[bool]
+    # Its command, `eagle3 <name>` (shared/lifecycle/command.py): help, arguments, which common fields it offers.
+    command: ClassVar[KindCommand]
     # Each kind's class sets these two, like the class variables here; they are not annotated ClassVar only because
     # a ClassVar cannot hold a type variable, and this way a shard input read back is an InputT, a manifest a ManifestT.
     input_type: type[InputT]
@@ -219,11 +223,24 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
     # items itself (select), from what is already in storage.
     reads_dataset: ClassVar[bool] = True
 
-    DECLARATIONS: ClassVar[tuple[str, ...]] = ("name", "input_type", "manifest_type", "options", "record", "finalizes")
+    DECLARATIONS: ClassVar[tuple[str, ...]] = (
+        "name",
+        "input_type",
+        "manifest_type",
+        "options",
+        "record",
+        "finalizes",
+        "command",
+    )
 
     @property
     def task_name(self) -> str:
         return task_name(self.name)
+
+    @property
+    def command_name(self) -> str:
+        """Its subcommand: `eagle3 <command_name>`."""
+        return self.command.name or self.name
 
     # ---- submit (the producer) ------------------------------------------------------------------------------
 
@@ -327,6 +344,18 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
             logger.error("job=%s shard=%d has no input in %s", job_id, shard_index, storage.url)
             return 0, 0
 
+    # ---- the command line (it has the job's record from the API, not the kind's work) ----------------------------
+
+    def follow(self, record: Mapping[str, Any], session: CommandSession) -> None:
+        """What the kind's command shows once it submitted a job (`record`: the job as the API answered): by default
+        its size and, with --watch, its progress until it finishes."""
+        session.say(
+            f"submitted [bold]{record['job_id']}[/]: {record['samples_total']} samples "
+            f"({record['samples_rejected']} rejected), {record['tokens_total']} tokens, {record['shards_total']} shards"
+        )
+        if session.watching:
+            session.show_progress(session.watch(record["job_id"]))
+
     # ---- training (the trainer) -------------------------------------------------------------------------------
 
     def training_job(self, storage: Storage, job: JobRecord, *, wait_s: float = 0.0) -> str:
@@ -335,7 +364,7 @@ class JobKind(ABC, Generic[InputT, ItemT, DoneT, ManifestT]):
         return job.job_id
 
 
-def check_served_model(job: JobRecord, info: ModelInfo, base_url: str, *, capture: bool) -> None:
+def check_served_model(job: JobRecord, info: "ModelInfo", base_url: str, *, capture: bool) -> None:
     """The server must serve the model the job was planned for; otherwise every tensor or token would be wrong."""
     expected = {
         "hidden_size": job.hidden_size,

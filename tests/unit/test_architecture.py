@@ -190,10 +190,20 @@ def test_what_the_rules_allow() -> None:
     assert not violations(Path("shared/ops/doctor.py"), "from shared.lifecycle.kinds.extract import bytes_per_token")
 
 
+def loaded_heavy_modules(code: str) -> list[str]:
+    """Which of torch and transformers a fresh interpreter has loaded after running `code`."""
+    code += "\nimport sys; print(' '.join(m for m in ('torch', 'transformers') if m in sys.modules))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return run.stdout.split()
+
+
 def test_the_command_line_starts_without_torch() -> None:
     """Every process of the stack starts through `eagle3` (workers, the API): its parser must not import torch or
     transformers, which the trainer's and the evaluation's modules bring (6 s instead of 0.6 s, seen when the
-    engine evaluation imported them at module level and the workers' first heartbeat came too late)."""
-    code = "import sys, eagle3.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert out.strip() == "[]"
+    engine evaluation imported them at module level and the workers' first heartbeat came too late). The parser
+    reads every job kind's command from the registry, so the kinds' modules load them only where their work does."""
+    assert loaded_heavy_modules("import eagle3.cli; eagle3.cli.build_parser()") == []
+
+
+def test_the_registry_of_kinds_loads_no_torch() -> None:
+    assert loaded_heavy_modules("import shared.lifecycle.kinds") == []

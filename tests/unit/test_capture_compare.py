@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from services.inference.reference.engine import ReferenceEngine
-from shared.capture.compare import (
-    DEFAULT_TOLERANCES,
-    FieldTolerances,
-    SampleComparison,
-    Tolerances,
-    compare_sample,
-    nearest,
-    relative_error,
-)
+from shared.capture.compare import SampleComparison, compare_sample, nearest, relative_error
 from shared.capture.protocol import CapturedStates, CaptureSpec, SamplingParams
+from shared.capture.tolerances import DEFAULT_TOLERANCES, FieldTolerances, Tolerances
 from shared.storage.dtypes import StorageDtype
 from shared.storage.sample_format import decode_sample, encode_sample
 

@@ -5,6 +5,7 @@ import json
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from shared.lifecycle.command import KindCommand
 from shared.lifecycle.kind import JobKind, KindOptions, KindRecord
 from shared.lifecycle.kinds import KINDS, registry
 from shared.lifecycle.kinds.extract import Extract
@@ -134,6 +135,7 @@ def test_every_kind_in_the_registry_is_declared_whole() -> None:
         assert kind.name == name
         assert issubclass(kind.options, KindOptions) and isinstance(kind.finalizes, bool)
         assert issubclass(kind.record, KindRecord)
+        assert isinstance(kind.command, KindCommand) and kind.command.help
         assert issubclass(kind.input_type, BaseModel) and issubclass(kind.manifest_type, BaseModel)
         assert all(isinstance(counter, str) and help_text for counter, help_text in kind.counters.items())
         if "counters" not in kind.manifest_type.model_fields:
@@ -146,7 +148,8 @@ def test_a_kind_without_its_declarations_is_refused_when_registered() -> None:
 
         open = prepare = items = item_key = reuse = process = plan
 
-    with pytest.raises(TypeError, match="Summarize does not declare name, input_type, manifest_type, options, record"):
+    declarations = "name, input_type, manifest_type, options, record, finalizes, command"
+    with pytest.raises(TypeError, match=f"Summarize does not declare {declarations}"):
         registry([Summarize()])
     with pytest.raises(TypeError, match="job kind 'extract' is declared twice"):
         registry([Extract(), Extract()])

@@ -34,8 +34,9 @@ if __package__ in (None, ""):
         sys.path.insert(0, str(_repo_root))
 
 from shared.capture.client import InferenceClient
-from shared.capture.compare import DEFAULT_TOLERANCES, nearest, relative_error
+from shared.capture.compare import nearest, relative_error
 from shared.capture.protocol import CapturedStates
+from shared.capture.tolerances import DEFAULT_TOLERANCES
 from shared.errors import Eagle3Error
 
 # A bf16 capture against transformers: the audit's tolerances for bf16 storage.

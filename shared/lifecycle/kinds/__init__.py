@@ -8,13 +8,15 @@ from shared.lifecycle.kinds.audit import Audit, AuditVerdict
 from shared.lifecycle.kinds.extract import Extract
 from shared.lifecycle.kinds.regenerate import Regenerate
 from shared.lifecycle.progress import KIND_PROGRESS
-from shared.lifecycle.schemas import KIND_OPTIONS, KIND_RECORDS
+from shared.lifecycle.schemas import KIND_OPTIONS, KIND_RECORDS, JobSpec
 
 
 def registry(kinds: Iterable[JobKind]) -> dict[str, JobKind]:
-    """The kinds by name. A kind that leaves out a declaration (JobKind.DECLARATIONS) or reuses a name fails here, at
-    import, rather than when its first job reaches the code that reads the missing piece."""
+    """The kinds by name. A kind that leaves out a declaration (JobKind.DECLARATIONS), reuses a name or a command's
+    name, or whose command names a field that neither its options nor JobSpec have, fails here, at import, rather than
+    when its first job (or its command) reaches the code that reads the missing piece."""
     found: dict[str, JobKind] = {}
+    commands: dict[str, JobKind] = {}
     for kind in kinds:
         missing = [name for name in JobKind.DECLARATIONS if not hasattr(type(kind), name)]
         if missing:
@@ -22,7 +24,20 @@ def registry(kinds: Iterable[JobKind]) -> dict[str, JobKind]:
         if kind.name in found:
             twice = f"{type(found[kind.name]).__name__} and {type(kind).__name__}"
             raise TypeError(f"job kind {kind.name!r} is declared twice: {twice}")
+        unknown = [
+            name
+            for name in kind.command.fields()
+            if name not in kind.options.model_fields and name not in JobSpec.model_fields
+        ]
+        if unknown:
+            raise TypeError(f"job kind {kind.name!r}: its command names {', '.join(unknown)}, not fields of its spec")
+        if kind.command_name in commands:
+            raise TypeError(
+                f"job kinds {commands[kind.command_name].name!r} and {kind.name!r} share the command "
+                f"{kind.command_name!r}"
+            )
         found[kind.name] = kind
+        commands[kind.command_name] = kind
     return found
 
 

@@ -15,28 +15,36 @@ import logging
 import math
 import random
 import statistics
-from typing import Any, ClassVar, Literal
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import redis
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from shared.access import JOB_ID_PATTERN
-from shared.capture.client import InferenceClient
-from shared.capture.compare import DEFAULT_TOLERANCES, FieldTolerances, SampleComparison, Tolerances, compare_sample
+from shared.capture.tolerances import DEFAULT_TOLERANCES, FieldTolerances, Tolerances
 from shared.errors import JobNotFound, SubmitError
 from shared.lifecycle import progress
+from shared.lifecycle.command import CommandSession, KindCommand, Positional, ResultTable
 from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, KindRecord, ShardContext, Target, check_served_model
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, ShardInput, utc_now
 from shared.lifecycle.shards import load_job
 from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.objects import ObjectDigest, ObjectNotFound, Storage
-from shared.storage.sample_format import decode_sample
 from shared.urls import redact_url
+
+# The registry of kinds, which the command line reads, must not load torch: what loads it (the capture client, the
+# comparison, the sample format) is imported where the work needs it.
+if TYPE_CHECKING:
+    from shared.capture.client import InferenceClient
+    from shared.capture.compare import SampleComparison
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SAMPLES = 32  # without --samples or --fraction: enough to catch a systematic defect, cheap to recompute
+REPORT_WAIT_S = 60.0  # `eagle3 audit`: the last shard's worker writes the report just after its commit
 AUDIT_FAILED = "samples_audit_failed"
 
 
@@ -83,7 +91,7 @@ class AuditResult(BaseModel):
     reasons: list[str]
 
     @classmethod
-    def of(cls, item: AuditItem, comparison: SampleComparison | None, reasons: list[str]) -> "AuditResult":
+    def of(cls, item: AuditItem, comparison: "SampleComparison | None", reasons: list[str]) -> "AuditResult":
         def number(value: float) -> float | None:
             return None if math.isnan(value) else round(value, 6)
 
@@ -148,15 +156,6 @@ class AuditReport(BaseModel):
 
 class AuditOptions(KindOptions):
     """An audit job's options: which extraction job, how many of its samples, against what, how strictly."""
-
-    CLI_FLAGS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "audit_samples": ("--samples",),
-        "audit_fraction": ("--fraction",),
-        "audit_backend_url": ("--backend",),
-        "audit_tolerance_aux": ("--tolerance-aux",),
-        "audit_tolerance_final": ("--tolerance-final",),
-    }
-    CLI_ELSEWHERE = ("source_job_id",)  # `eagle3 audit JOB`
 
     source_job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN, description="the extraction job to audit")
     audit_samples: int | None = Field(default=None, ge=1, description="samples to check (default 32)")
@@ -228,6 +227,21 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     manifest_type = AuditManifest
     reads_dataset: ClassVar[bool] = False
     counters: ClassVar[dict[str, str]] = {AUDIT_FAILED: "Audited samples whose stored states failed the check"}
+    command = KindCommand(
+        help="re-check a job's committed hidden states: a seeded sample recomputed by an independent backend",
+        description="Submits a job of kind audit, follows it, prints the errors per layer and every failed sample, "
+        "and exits 1 when the audit failed. The verdict is kept with the job (`eagle3 train` warns on a failed one).",
+        positionals=(Positional("source_job_id", metavar="JOB"),),
+        common_options=("shard_token_budget", "job_id"),
+        flags={
+            "audit_samples": ("--samples",),
+            "audit_fraction": ("--fraction",),
+            "audit_backend_url": ("--backend",),
+            "audit_tolerance_aux": ("--tolerance-aux",),
+            "audit_tolerance_final": ("--tolerance-final",),
+        },
+        json_result=True,
+    )
 
     # ---- submit
 
@@ -303,10 +317,12 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
 
     # ---- one shard
 
-    def open(self, settings: Settings) -> dict[str, InferenceClient]:
+    def open(self, settings: Settings) -> dict[str, "InferenceClient"]:
         return {}  # one client per backend URL, made when a job first needs it
 
-    def prepare(self, ctx: ShardContext, state: dict[str, InferenceClient], job: JobRecord) -> InferenceClient:
+    def prepare(self, ctx: ShardContext, state: dict[str, "InferenceClient"], job: JobRecord) -> "InferenceClient":
+        from shared.capture.client import InferenceClient
+
         url = backend_url(job.spec, ctx.settings)
         if url not in state:
             state[url] = InferenceClient.from_settings(ctx.settings, url)
@@ -327,13 +343,15 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     def process(
         self,
         ctx: ShardContext,
-        state: dict[str, InferenceClient],
-        prepared: InferenceClient,
+        state: dict[str, "InferenceClient"],
+        prepared: "InferenceClient",
         job: JobRecord,
         shard: AuditShardInput,
         pending: list[AuditItem],
         done: dict[int, AuditResult],
     ) -> AuditManifest:
+        from shared.capture.compare import compare_sample
+
         storage, tolerances = ctx.storage, tolerances_of(job.spec)
         # The ids the source job planned, not the ones in the file: a whole file from another sample or job is
         # self-consistent, and only its ids (or its length) give it away.
@@ -394,6 +412,24 @@ class Audit(JobKind[AuditShardInput, AuditItem, AuditResult, AuditManifest]):
     def shard_size(self, shard: AuditShardInput) -> tuple[int, int]:
         return len(shard.items), sum(item.num_tokens for item in shard.items)
 
+    # ---- the command
+
+    def follow(self, record: Mapping[str, Any], session: CommandSession) -> None:
+        """Always followed to its end: the report (a table, or JSON), and a failed audit fails the command."""
+        source_job_id = record["spec"]["source_job_id"]
+        backend = record["spec"].get("audit_backend_url") or "the reference server"
+        session.say(
+            f"submitted audit [bold]{record['job_id']}[/] of {source_job_id}: {record['samples_total']} samples "
+            f"recomputed by {backend}"
+        )
+        p = session.watch(record["job_id"])
+        if p.state != "completed":
+            session.fail(f"audit {p.job_id} ended {p.state}")
+        report = reported(session, source_job_id, record["job_id"])
+        session.result(report, report_table(AuditReport.model_validate(report)))
+        if not report["passed"]:
+            session.fail(f"audit of {source_job_id} failed: {report['samples_failed']} samples")
+
     # ---- the verdict
 
     def last_report(self, storage: Storage, job_id: str) -> AuditReport | None:
@@ -445,6 +481,8 @@ def read_stored(storage: Storage, item: AuditItem) -> tuple[dict[str, Any] | Non
             f"stored sample {item.key}: {len(data)} bytes sha256 {digest.sha256[:12]}, the source manifest says "
             f"{item.bytes} bytes sha256 {item.sha256[:12]} (changed after its commit)"
         ]
+    from shared.storage.sample_format import decode_sample
+
     try:
         return decode_sample(data), []
     except Exception as exc:  # a torn or foreign file: what it is, not why the decoder choked
@@ -502,3 +540,47 @@ def write_report(storage: Storage, job: JobRecord) -> AuditReport:
     storage.put(report_key(source_job_id), report.model_dump_json(indent=2).encode())
     logger.info("audit %s of job %s: %d samples, %d failed", job.job_id, source_job_id, len(results), len(failures))
     return report
+
+
+def reported(session: CommandSession, source_job_id: str, audit_job_id: str) -> dict[str, Any]:
+    """The source job's report (GET /v1/jobs/{id}/audit), once this audit has written it."""
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while True:
+        report = session.get(f"/v1/jobs/{source_job_id}/audit")
+        if report is not None and report["audit_job_id"] == audit_job_id:
+            return dict(report)
+        if time.monotonic() > deadline:
+            session.fail(f"audit {audit_job_id} completed but wrote no report within {REPORT_WAIT_S:.0f} s")
+        time.sleep(1)
+
+
+def report_table(report: AuditReport) -> ResultTable:
+    """The errors per layer, then every failed sample with its reasons."""
+    verdict = "[green]passed[/]" if report.passed else "[red]FAILED[/]"
+    limits = report.tolerances
+    return ResultTable(
+        title=f"audit {report.audit_job_id} of {report.source_job_id}: {verdict}, "
+        f"{report.samples_checked} samples checked, {report.samples_failed} failed",
+        caption=f"relative error per token (RMS); tolerances ({report.storage_dtype}): aux {limits.aux}, "
+        f"final {limits.final}; recomputed by {report.backend.get('backend')} at {report.backend.get('url')}"
+        + independence(report),
+        columns=("layer", "median", "worst"),
+        numeric=("median", "worst"),
+        rows=[
+            (layer.name, *(f"{value:.4f}" if value is not None else "-" for value in (layer.median, layer.worst)))
+            for layer in report.layers
+        ]
+        + [(f"[red]{failure.sample_id}[/]", "", "; ".join(failure.reasons)) for failure in report.failures],
+    )
+
+
+def independence(report: AuditReport) -> str:
+    """What the audit's backend says about the extracting one: a check by the same kind of server is no check of it."""
+    source = report.source_backend
+    if report.independent is False:
+        return (
+            f"\n[yellow]the same kind of server ({source.get('backend')}) extracted these states: a defect of that "
+            "server itself is not caught (--backend reference, with EAGLE3_REFERENCE_URL set, recomputes with the "
+            "transformers reference server)[/]"
+        )
+    return f"; extracted by {source['backend']} {source.get('version', '')}" if source else ""

@@ -6,17 +6,18 @@
   then describe the shard in a manifest. All or nothing: a failed shard leaves none of the files it created.
 """
 
+from __future__ import annotations
+
 import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
-from shared.capture.client import InferenceClient
-from shared.capture.protocol import CapturedStates
 from shared.data.datasets import Conversation
 from shared.data.tokenization import TokenizedSample
-from shared.data.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
 from shared.errors import ShardValidationError
+from shared.lifecycle.command import EXTRACTION_OPTIONS, KindCommand
 from shared.lifecycle.kind import JobKind, JobPlan, KindOptions, KindRecord, ShardContext, Target, check_served_model
 from shared.lifecycle.schemas import JobRecord, JobSpec, Manifest, ManifestSample, SampleInput, ShardInput
 from shared.provenance import compute_provenance
@@ -24,7 +25,12 @@ from shared.settings import Settings
 from shared.storage import layout
 from shared.storage.dtypes import StorageDtype
 from shared.storage.objects import ObjectDigest, Storage
-from shared.storage.sample_format import InvalidCapture, validate_capture, write_sample
+
+# The registry of kinds, which the command line reads, must not load torch: what loads it (the capture client and
+# protocol, the vocabulary, the sample format) is imported where the work needs it.
+if TYPE_CHECKING:
+    from shared.capture.client import InferenceClient
+    from shared.capture.protocol import CapturedStates
 
 # torch.save's zip container and the int64 input_ids/loss_mask add a little to the raw bf16 bytes.
 PER_SAMPLE_OVERHEAD_BYTES = 1536
@@ -77,6 +83,8 @@ def commit_sample(
     """Validate, encode, hash and write one sample file create-only; True if this call created it.
     Runs in the writer pool, so the next captures keep arriving while this one is written. torch.save's output
     streams into the file and is hashed on the way: no 64 MB copy in memory, no second pass to hash it."""
+    from shared.storage.sample_format import InvalidCapture, validate_capture, write_sample
+
     try:
         validate_capture(
             states.aux_hidden_state, states.hidden_state, num_tokens=len(sample.input_ids), hidden_size=job.hidden_size
@@ -157,11 +165,19 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
     finalizes = False
     input_type = ShardInput
     manifest_type = Manifest
+    command = KindCommand(
+        name="submit",
+        help="submit an extraction job to the producer API",
+        common_options=EXTRACTION_OPTIONS,
+        watch_help="show a live progress bar until the job finishes",
+    )
 
     def accept(self, record: Conversation, spec: JobSpec, target: Target) -> TokenizedSample:
         return target.tokenizer.tokenize(record, max_length=spec.max_length, length_policy=spec.length_policy)
 
     def plan(self, job_id: str, spec: JobSpec, target: Target, accepted: list[TokenizedSample]) -> JobPlan[ShardInput]:
+        from shared.data.vocab import build_vocab_mapping, count_loss_tokens, vocab_mapping_bytes
+
         items = accepted
         per_token = bytes_per_token(target.hidden_size, spec.storage_dtype)
         tokens_total = sum(s.num_tokens for s in items)
@@ -210,6 +226,8 @@ class Extract(JobKind[ShardInput, SampleInput, ManifestSample, Manifest]):
         )
 
     def open(self, settings: Settings) -> InferenceClient:
+        from shared.capture.client import InferenceClient
+
         return InferenceClient.from_settings(settings)
 
     def prepare(self, ctx: ShardContext, state: InferenceClient, job: JobRecord) -> dict[str, str]:

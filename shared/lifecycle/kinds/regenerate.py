@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import redis
@@ -30,8 +30,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.typing import EncodableT, FieldT
 
 from shared import access
-from shared.capture.client import InferenceClient
-from shared.capture.protocol import ModelInfo
 from shared.data.datasets import Conversation, InvalidRecord, Message
 from shared.data.tokenization import ChatTokenizer
 from shared.errors import (
@@ -42,6 +40,7 @@ from shared.errors import (
     SubmitError,
 )
 from shared.lifecycle import progress
+from shared.lifecycle.command import EXTRACTION_OPTIONS, CommandSession, KindCommand
 from shared.lifecycle.kind import (
     JobKind,
     JobPlan,
@@ -73,14 +72,18 @@ from shared.settings import Settings
 from shared.storage import layout, locations
 from shared.storage.objects import Storage
 
+# The registry of kinds, which the command line reads, must not load torch: the capture client and protocol, which
+# load it, are imported where the work needs them.
+if TYPE_CHECKING:
+    from shared.capture.client import InferenceClient
+    from shared.capture.protocol import ModelInfo
+
 logger = logging.getLogger(__name__)
 
 
 class RegenerateOptions(KindOptions):
     """A regenerate job's options (docs/regeneration.md): how the target rewrites every assistant turn. JobSpec's
     extraction fields then apply to the chained extraction job (then_extract)."""
-
-    CLI_ELSEWHERE = ("output_url",)  # `eagle3 regenerate --out`
 
     max_new_tokens: int = Field(default=2048, ge=1, description="per regenerated assistant turn")
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy")
@@ -304,7 +307,7 @@ def regenerate_conversation(
     *,
     job: JobRecord,
     renderer: PromptRenderer,
-    inference: InferenceClient,
+    inference: "InferenceClient",
     max_context_length: int,
     is_cancelled: Callable[[], bool] = lambda: False,
 ) -> ConversationResult:
@@ -591,7 +594,7 @@ class RegenerateState:
     """Per worker process: the decoding client (more requests in flight than capture, so that the server batches
     them), the job tokenizers, and how the chained extraction job is submitted."""
 
-    decoding: InferenceClient
+    decoding: "InferenceClient"
     tokenizers: TokenizerCache = field(default_factory=TokenizerCache)
     chain: ChainSubmit | None = None
     settings: Settings | None = None
@@ -605,6 +608,15 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
     input_type = RegenerationShardInput
     manifest_type = RegenerationManifest
     counters = REGENERATION_COUNTERS
+    command = KindCommand(
+        help="submit a regenerate job: the target rewrites every assistant turn (docs/regeneration.md)",
+        description="The extraction options (--max-length ... --shard-token-budget) apply to the chained extraction "
+        "job (--then-extract).",
+        common_options=EXTRACTION_OPTIONS,
+        flags={"output_url": ("--out",)},
+        local_paths=("output_url",),
+        watch_help="live progress until it (and the chained job) finishes",
+    )
 
     def check_spec(self, spec: JobSpec, settings: Settings) -> None:
         output_url = RegenerateOptions.of(spec).output_url
@@ -670,6 +682,8 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         )
 
     def open(self, settings: Settings) -> RegenerateState:
+        from shared.capture.client import InferenceClient
+
         decoding = InferenceClient(
             settings.inference_url,
             timeout_s=settings.inference_timeout_s,
@@ -679,7 +693,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         # The producer plans the chained extraction job: it has the model folder, and the plan is its job.
         return RegenerateState(decoding, chain=lambda spec: submit_through_api(spec, settings), settings=settings)
 
-    def prepare(self, ctx: ShardContext, state: RegenerateState, job: JobRecord) -> ModelInfo:
+    def prepare(self, ctx: ShardContext, state: RegenerateState, job: JobRecord) -> "ModelInfo":
         # A GPU server answers 503 for minutes while it loads; that is a wait, not a failure.
         state.decoding.wait_ready(ctx.settings.inference_ready_timeout_s)
         info = state.decoding.model_info()
@@ -699,7 +713,7 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
         self,
         ctx: ShardContext,
         state: RegenerateState,
-        prepared: ModelInfo,
+        prepared: "ModelInfo",
         job: JobRecord,
         shard: RegenerationShardInput,
         pending: list[ConversationInput],
@@ -832,3 +846,25 @@ class Regenerate(JobKind[RegenerationShardInput, ConversationInput, Conversation
                 )
             time.sleep(CHAIN_POLL_S)
         return chained
+
+    def follow(self, record: Mapping[str, Any], session: CommandSession) -> None:
+        """The plan (conversations, turns, where the output goes, the chained job) and, with --watch, the progress of
+        the job and then of its chained extraction job."""
+        plan = record["regeneration"]
+        session.say(
+            f"submitted [bold]{record['job_id']}[/]: {record['samples_total']} conversations "
+            f"({record['samples_rejected']} rejected), {plan['assistant_turns_total']} assistant turns to regenerate, "
+            f"{record['shards_total']} shards; output {plan['output_key']}"
+            + (f" and {plan['output_url']}" if plan["output_url"] else "")
+        )
+        if plan["chained_job_id"]:
+            session.say(f"then extraction job [bold]{plan['chained_job_id']}[/] on the regenerated conversations")
+        if record["spec"]["then_train"]:
+            session.say(f"train on it with: eagle3 train --job {record['job_id']} --follow")
+        if not session.watching:
+            return
+        p = session.watch(record["job_id"])
+        session.show_progress(p)
+        chained = p.regeneration.chained_job_id if p.regeneration else None
+        if chained is not None:
+            session.show_progress(session.watch(chained))
