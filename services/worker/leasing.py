@@ -14,6 +14,8 @@ Everything runs in the main process, which is the one that holds the broker mess
 - `LeaseKeeper`, a consumer bootstep, renews this worker's leases every `shard_lease_s / 4` and reaps expired leases
   every `lease_reaper_interval_s`: the unacknowledged message of a dead worker goes back to the front of the queue
   (kombu's own restore, as at the visibility timeout, only sooner), or, if the broker lost it, a new one is sent.
+  The same reaper returns a message the broker holds as delivered a lease period ago whose shard has no lease at
+  all (Redis killed between the delivery and its lease, or restarted without the lease's last write).
 
 A worker killed whole stops renewing, so its shards run again `shard_lease_s` plus at most one reaper interval
 after its last renewal: 75 s by default.
@@ -39,7 +41,7 @@ from celery.worker.request import Request
 
 from shared.errors import JobNotFound
 from shared.lifecycle import leases, recovery
-from shared.lifecycle.queue import ShardSender
+from shared.lifecycle.queue import Delivery, ShardSender
 from shared.settings import get_settings
 from shared.storage.objects import Storage, open_storage
 
@@ -156,15 +158,21 @@ class LeaseKeeper(bootsteps.StartStopStep):
         dropped = [tag for tag in self.held if tag not in running]
         for tag in dropped:
             lease = self.held.pop(tag)
+            handed_back = False
             # With Redis down too it cannot be handed back now; no longer renewed, it expires within a lease period.
+            # A lease Redis never got (killed between the delivery and the lease) is for the reaper's sweep of
+            # deliveries without one.
             with contextlib.suppress(redis.RedisError):
                 if self.client is not None:
-                    leases.hand_back(self.client, lease)
+                    handed_back = leases.hand_back(self.client, lease)
             logger.warning(
-                "shard %d of job %s was waiting in this worker when the broker connection was lost: handed back to "
-                "the lease reaper, which returns it to the queue",
+                "shard %d of job %s was waiting in this worker when the broker connection was lost: %s",
                 lease.shard_index,
                 lease.job_id,
+                "handed back to the lease reaper, which returns it to the queue"
+                if handed_back
+                else "the lease reaper returns it to the queue once its lease expires, or a lease period after its "
+                "delivery if Redis holds no lease of it",
             )
 
     def shutdown(self, c: Any) -> None:
@@ -257,16 +265,19 @@ class LeaseKeeper(bootsteps.StartStopStep):
                     connection = self.app.connection_for_write()
                 return connection.default_channel
 
-            def restore(lease: leases.Lease) -> bool:
-                if not channel().client.hexists(channel().unacked_key, lease.delivery_tag):
+            def restore(delivery: leases.Lease | Delivery) -> bool:
+                if not channel().client.hexists(channel().unacked_key, delivery.delivery_tag):
                     return False
-                channel().qos.restore_by_tag(lease.delivery_tag)
+                channel().qos.restore_by_tag(delivery.delivery_tag)
                 return True
 
             def resend(lease: leases.Lease) -> None:
                 self.app.send_task(lease.task, args=[lease.job_id, lease.shard_index], task_id=lease.task_id)
 
             leases.reap(self.client, self.storage, restore=restore, resend=resend)
+            leases.return_unleased(
+                self.client, self.storage, older_than_s=self.lease_s, every_s=self.reaper_interval_s, restore=restore
+            )
             self.redis_state.check(self.storage, self.client, enqueue=self.sender.send)
             recovery.take_over_stalled_publishing(
                 self.storage, self.client, enqueue=self.sender.send, stalled_after_s=self.lease_s

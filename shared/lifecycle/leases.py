@@ -11,17 +11,25 @@ worker runs a reaper every `lease_reaper_interval_s`: it claims expired leases a
 and queues the shard again when its manifest does not exist. A slow shard keeps its lease as long as its worker is
 alive, so it is not run twice on purpose; a run that does happen twice is harmless (create-only commits).
 
+A message can also be in the broker as delivered with no lease at all: Redis killed after it recorded the delivery
+(kombu's `unacked` hash) and before the worker's lease reached it, a restart from the append-only file that kept the
+one and lost the other, or a reaper's claim of an expired lease kept and its restore of the message lost. No lease
+expires for it, and only the visibility timeout (hours) would return it. The reapers also sweep those deliveries
+(`return_unleased`): one that has no lease a lease period after it was received goes back to the queue.
+
 Redis holds the leases: a sorted set of lease ids scored by expiry, and a hash per lease. Expiries are computed
 from the Redis server's clock (TIME in the scripts), so worker clocks may disagree.
 """
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
 
 from shared.lifecycle import progress
+from shared.lifecycle.queue import Delivery, deliveries_before, drop_delivery
 from shared.redis_replies import members, text, text_hash
 from shared.storage import layout
 from shared.storage.objects import Storage
@@ -30,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 LEASES = "eagle3:leases"
 LEASE_PREFIX = "eagle3:lease:"
+UNLEASED_SWEEP = "eagle3:unleased-sweep"  # held by the reaper that sweeps the unleased deliveries this interval
 RERUN_FIELD = "shards_rerun"
 
 
@@ -293,3 +302,53 @@ def _requeue(
         "message restored" if restored else "message lost by the broker, sent again",
     )
     return True
+
+
+def return_unleased(
+    client: redis.Redis,
+    storage: Storage,
+    *,
+    older_than_s: float,
+    every_s: float,
+    restore: Callable[[Delivery], bool],
+) -> list[Delivery]:
+    """Return to the queue each shard message the broker has held as delivered for over `older_than_s` (a lease
+    period: a live worker leases what it receives at once) while its shard has no lease. `restore` puts it back on
+    the queue, kombu's restore as at the visibility timeout (False if it was acknowledged meanwhile). A shard leased
+    by any delivery is left to that lease; a committed and counted shard's message, a dead-lettered shard's and a
+    deleted job's are removed instead, since nothing is left to run (a committed shard Redis has not counted goes
+    back: its run only counts it). One reaper of the fleet sweeps every `every_s`. Returns the messages restored."""
+    if not client.set(UNLEASED_SWEEP, 1, nx=True, ex=max(1, round(every_s))):
+        return []
+    deliveries = deliveries_before(client, time.time() - older_than_s)
+    if not deliveries:
+        return []
+    with client.pipeline(transaction=False) as pipe:
+        for delivery in deliveries:
+            pipe.exists(LEASE_PREFIX + lease_id(delivery.task, delivery.job_id, delivery.shard_index))
+        leased = pipe.execute()
+    restored = []
+    for delivery, has_lease in zip(deliveries, leased, strict=True):
+        if has_lease:  # its holder renews it, or the reaper returns the shard once it expires
+            continue
+        job_id, shard_index = delivery.job_id, delivery.shard_index
+        if not storage.exists(layout.job_json(job_id)):
+            drop_delivery(client, delivery.delivery_tag)  # deleted: a run would only find it gone
+            continue
+        committed = storage.exists(layout.manifest(job_id, shard_index))
+        counted = committed and bool(client.sismember(progress.committed_key(job_id), str(shard_index)))
+        if counted or (not committed and storage.exists(layout.dead_letter(job_id, shard_index))):
+            drop_delivery(client, delivery.delivery_tag)  # nothing left to run or count
+            continue
+        if not restore(delivery):
+            continue
+        count_rerun(client, job_id)
+        restored.append(delivery)
+        logger.warning(
+            "shard %d of job %s was delivered %.0fs ago and has no lease (Redis lost it, or never got it): its "
+            "message returned to the queue",
+            shard_index,
+            job_id,
+            time.time() - delivery.delivered_at,
+        )
+    return restored

@@ -1,12 +1,16 @@
 """The shard queue: its name, the task names and ids, the send-only client the producer enqueues with, and what the
 broker holds of it (kombu's Redis lists and unacknowledged hash)."""
 
+import base64
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import redis
 from celery import Celery
+
+from shared.redis_replies import scored_members, text
 
 logger = logging.getLogger(__name__)
 
@@ -18,6 +22,7 @@ SENT_TS_HEADER = "eagle3_sent_ts"
 # messages delivered to a worker and not yet acknowledged (every queue's), each value [message, exchange, routing key].
 PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
 UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"  # the same delivery tags, scored by when a worker received each (its clock)
 SCAN_LIMIT = 20_000  # messages read at most when looking for lost ones (about 25 MB, a second's parsing)
 
 
@@ -78,3 +83,56 @@ def messages_in_broker(client: redis.Redis, queue: str = SHARD_QUEUE, *, limit: 
         except (ValueError, TypeError, IndexError, KeyError):
             logger.warning("a message in the broker is not kombu JSON with a task id: %.100r", raw)
     return ids
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A shard message the broker holds as delivered to a worker and not yet acknowledged."""
+
+    delivery_tag: str
+    task: str
+    task_id: str
+    job_id: str
+    shard_index: int
+    delivered_at: float  # Unix seconds, by the clock of the worker that received it
+
+
+def deliveries_before(client: redis.Redis, delivered_before: float, *, limit: int = 1000) -> list[Delivery]:
+    """The shard messages delivered before `delivered_before` (Unix seconds) and still unacknowledged, oldest first;
+    messages that are not shard tasks are left out."""
+    tagged = scored_members(
+        client.zrangebyscore(UNACKED_INDEX, "-inf", delivered_before, start=0, num=limit, withscores=True)
+    )
+    if not tagged:
+        return []
+    payloads = client.hmget(UNACKED, [tag for tag, _ in tagged])
+    deliveries = []
+    for (raw_tag, delivered_at), raw in zip(tagged, payloads, strict=True):
+        if raw is None:  # acknowledged since
+            continue
+        try:
+            message = json.loads(raw)[0]  # [message, exchange, routing key]
+            body = message["body"]
+            if message["properties"].get("body_encoding") == "base64":
+                body = base64.b64decode(body)
+            (job_id, shard_index), _, _ = json.loads(body)  # Celery's protocol 2: [args, kwargs, embed]
+            delivery = Delivery(
+                delivery_tag=text(raw_tag),
+                task=str(message["headers"]["task"]),
+                task_id=str(message["headers"]["id"]),
+                job_id=str(job_id),
+                shard_index=int(shard_index),
+                delivered_at=float(delivered_at),
+            )
+        except (ValueError, TypeError, IndexError, KeyError):
+            continue  # not a shard task (another app's message, or not Celery's format)
+        deliveries.append(delivery)
+    return deliveries
+
+
+def drop_delivery(client: redis.Redis, delivery_tag: str) -> None:
+    """Remove a delivered message from the broker, as kombu's acknowledgement does."""
+    with client.pipeline(transaction=True) as pipe:
+        pipe.zrem(UNACKED_INDEX, delivery_tag)
+        pipe.hdel(UNACKED, delivery_tag)
+        pipe.execute()

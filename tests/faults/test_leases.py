@@ -1,13 +1,19 @@
 """Lease logic against a real Redis (cheap: part of `make test`); the worker kills over real processes are in
 test_workers.py."""
 
+import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from celery import Celery
+from kombu import Connection
 
 from shared.lifecycle import leases, progress
+from shared.lifecycle.queue import SHARD_QUEUE, UNACKED, UNACKED_INDEX, Delivery, task_name
+from shared.redis_replies import text
 from shared.storage import layout
 from shared.storage.objects import open_storage
 
@@ -145,3 +151,79 @@ def test_a_failed_reap_puts_the_lease_back(client: redis.Redis, tmp_path: Path) 
 def test_a_job_redis_lost_is_not_half_recreated_by_a_rerun(client: redis.Redis) -> None:
     leases.count_rerun(client, "job-gone")
     assert not client.exists(progress.job_key("job-gone"))
+
+
+class Broker:
+    """Shard messages sent and received through kombu's Redis transport, as the workers do: each received message is
+    recorded as delivered (kombu's `unacked` hash) and left unacknowledged."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.sender = Celery(broker=redis_url, set_as_current=False)
+        self.connection = Connection(redis_url)
+        self.channel = self.connection.default_channel
+
+    def deliver(self, job_id: str, shard_index: int, *, age_s: float) -> str:
+        """A shard message received `age_s` ago; returns its delivery tag."""
+        self.sender.send_task(
+            task_name("extract"), args=[job_id, shard_index], queue=SHARD_QUEUE, task_id=f"{job_id}:{shard_index}"
+        )
+        message = self.channel.basic_get(SHARD_QUEUE, no_ack=False)
+        assert message is not None
+        self.channel.client.zadd(UNACKED_INDEX, {message.delivery_tag: time.time() - age_s})
+        return str(message.delivery_tag)
+
+    def restore(self, delivery: Delivery) -> bool:
+        if not self.channel.client.hexists(UNACKED, delivery.delivery_tag):
+            return False
+        self.channel.qos.restore_by_tag(delivery.delivery_tag)
+        return True
+
+    def queued(self) -> list[str]:
+        return sorted(json.loads(raw)["headers"]["id"] for raw in self.channel.client.lrange(SHARD_QUEUE, 0, -1))
+
+    def close(self) -> None:
+        self.sender.close()
+        self.connection.close()
+
+
+@pytest.fixture
+def broker(redis_url: str) -> Iterator[Broker]:
+    broker = Broker(redis_url)
+    yield broker
+    broker.close()
+
+
+def test_a_delivery_without_a_lease_goes_back_to_the_queue_once_a_lease_period_old(
+    client: redis.Redis, broker: Broker, tmp_path: Path
+) -> None:
+    """The broker holds messages as delivered whose shard has no lease (Redis killed between a delivery and its lease):
+    an unfinished shard's goes back to the queue, once; a shard another delivery leases, or a delivery younger than a
+    lease period, is left alone; a finished shard's message and a deleted job's are removed, nothing run again."""
+    storage = open_storage(tmp_path.as_uri())
+    storage.put(layout.job_json("job-a"), b"{}")
+    client.hset(progress.job_key("job-a"), mapping={"shards_total": 6})
+    stranded = broker.deliver("job-a", 0, age_s=120)
+    young = broker.deliver("job-a", 1, age_s=5)  # its worker is taking the lease
+    leased_elsewhere = broker.deliver("job-a", 2, age_s=120)
+    leases.acquire(client, lease(2, holder="other:2:bb", tag="newer-delivery"), lease_s=60)
+    broker.deliver("job-a", 3, age_s=120)
+    storage.put(layout.manifest("job-a", 3), b"{}")  # committed and counted
+    client.sadd(progress.committed_key("job-a"), 3)
+    broker.deliver("job-a", 4, age_s=120)
+    storage.put(layout.manifest("job-a", 4), b"{}")  # committed, never counted: its run only counts it
+    broker.deliver("job-a", 5, age_s=120)
+    storage.put(layout.dead_letter("job-a", 5), b"{}")
+    broker.deliver("job-deleted", 0, age_s=120)  # no job.json
+
+    restored = leases.return_unleased(client, storage, older_than_s=60, every_s=15, restore=broker.restore)
+
+    assert sorted(d.shard_index for d in restored) == [0, 4] and restored[0].delivery_tag == stranded
+    assert broker.queued() == ["job-a:0", "job-a:4"]
+    assert {text(tag) for tag in client.hkeys(UNACKED)} == {young, leased_elsewhere}
+    assert [h.delivery_tag for h in leases.held(client)] == ["newer-delivery"]  # untouched
+    assert client.hget(progress.job_key("job-a"), leases.RERUN_FIELD) == b"2"
+    # One reaper of the fleet sweeps an interval; the next sweep finds nothing more to return.
+    assert leases.return_unleased(client, storage, older_than_s=60, every_s=15, restore=broker.restore) == []
+    client.delete(leases.UNLEASED_SWEEP)
+    assert leases.return_unleased(client, storage, older_than_s=60, every_s=15, restore=broker.restore) == []
+    assert broker.queued() == ["job-a:0", "job-a:4"]
