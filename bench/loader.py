@@ -176,7 +176,7 @@ def data_parts(
         hidden_size=job.hidden_size,
         cache=cache,
         io_threads=config.io_threads,
-        read_processes=config.read_processes or 0,
+        read_processes=config.read_processes,
         token_embedding=token_embedding,
         pin_memory=torch.cuda.is_available(),  # as the trainer's loader does when it trains on a GPU
     )

@@ -16,10 +16,6 @@ from shared.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
-# Reading processes by default when the samples come from S3 (`read_processes`): a reader's HTTP reads in the training
-# process took the GIL from the step beside it (docs/benchmarks.md).
-REMOTE_READ_PROCESSES = 4
-
 
 class TrainConfig(BaseModel):
     """Every knob of a training run; saved in each checkpoint."""
@@ -81,12 +77,12 @@ class TrainConfig(BaseModel):
         "machine's); 0 disables it",
     )
     io_threads: int = Field(default=4, ge=1, description="parallel sample reads per process")
-    read_processes: int | None = Field(
-        default=None,
+    read_processes: int = Field(
+        default=0,
         ge=0,
-        description="processes that read, verify and decode samples, so that the training process keeps its GIL "
-        f"(default: {REMOTE_READ_PROCESSES} from S3, none from a local folder, where reading in threads costs the step "
-        "nothing measurable); 0 reads in the training process's threads",
+        description="processes that read, verify and decode samples, handing the tensors back in shared memory, so "
+        "that the training process keeps its GIL while reading from S3; 0 reads in the training process's threads "
+        "(on a 2-core machine reading processes loaded at 0.46x the threads' rate: docs/benchmarks.md)",
     )
     prefetch_groups: int = Field(
         default=2, ge=1, description="optimizer steps' worth of batches loading while the current one trains"
@@ -116,14 +112,6 @@ def compiles_backbone(config: TrainConfig, device_type: str) -> bool:
     1.24-1.31x the eager one's tokens/s at Llama-3.1-8B dims at no more peak memory (docs/benchmarks.md), and not on
     the CPU, where compiling would take more of a short run than it gives back."""
     return config.compile_backbone if config.compile_backbone is not None else device_type == "cuda"
-
-
-def reading_processes(config: TrainConfig, *, remote_storage: bool) -> int:
-    """How many processes read the run's samples: as set, else REMOTE_READ_PROCESSES from remote storage and none
-    from a local folder."""
-    if config.read_processes is not None:
-        return config.read_processes
-    return REMOTE_READ_PROCESSES if remote_storage else 0
 
 
 # What a resumed run may change; everything else comes from the checkpoint, so the next steps are the same.

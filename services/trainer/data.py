@@ -651,6 +651,11 @@ class SampleLoader:
             if read_processes > 0
             else None
         )
+        if self._readers is not None:
+            # Started now, not by the first batch: each process imports torch and this module (seconds), which a
+            # step waiting for its first batch would pay.
+            for started in [self._readers.submit(os.getpid) for _ in range(read_processes)]:
+                started.result()
         self._lock = threading.Lock()
 
     def close(self) -> None:

@@ -38,7 +38,7 @@ from services.trainer.checkpoint import (
     save_checkpoint,
     trainable_state,
 )
-from services.trainer.config import TrainConfig, compiles_backbone, reading_processes, resumed_config
+from services.trainer.config import TrainConfig, compiles_backbone, resumed_config
 from services.trainer.curves import curves_html
 from services.trainer.data import (
     NOT_READY,
@@ -242,7 +242,7 @@ def build_trainer(
         cache=cache,
         decoded=decoded,
         io_threads=config.io_threads,
-        read_processes=reading_processes(config, remote_storage=not isinstance(storage, FileStorage)),
+        read_processes=config.read_processes,
         token_embedding=drafter.embed_tokens.weight.detach(),  # on the host (place_models)
         pin_memory=runtime.device.type == "cuda",
     )
