@@ -14,9 +14,12 @@ import pytest
 from tests.soak.runner import WORKERS
 from tests.soak.schedule import build_schedule
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2100)]
 
-SEED, MINUTES, DRAIN_MINUTES = 2, 3.0, 15.0
+# The drain is how long the jobs may take to end once the faults stop; 25 minutes, since `make test` runs this beside
+# the Kubernetes and compose tests on the same two cores, where CPU inference regenerated 2 conversations in up to
+# 282 s a shard and 15 minutes did not drain six jobs (CI, 2026-12-07).
+SEED, MINUTES, DRAIN_MINUTES = 2, 3.0, 25.0
 
 
 def test_a_short_soak_ends_every_job_with_a_clean_audit(smollm2_dir: Path, tmp_path: Path) -> None:
@@ -27,7 +30,7 @@ def test_a_short_soak_ends_every_job_with_a_clean_audit(smollm2_dir: Path, tmp_p
     report_path = tmp_path / "soak.json"
     argv = [sys.executable, "-m", "tests.soak", "--minutes", str(MINUTES), "--seed", str(SEED)]
     argv += ["--drain-minutes", str(DRAIN_MINUTES), "--run-dir", str(tmp_path / "run"), "--report", str(report_path)]
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=1400)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=2000)
     output = result.stdout[-6000:] + result.stderr[-3000:]
     assert report_path.exists(), output
     report = json.loads(report_path.read_text())
