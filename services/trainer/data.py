@@ -654,8 +654,8 @@ class SampleLoader:
             else None
         )
         if self._readers is not None:
-            # Started now, not by the first batch: each process imports torch and this module (seconds), which a
-            # step waiting for its first batch would pay.
+            # Started now, not by the first batch: the first loader of a training process also starts the fork
+            # server, which imports torch and this module (seconds) that a step waiting for its first batch would pay.
             for started in [self._readers.submit(os.getpid) for _ in range(read_processes)]:
                 started.result()
         self._lock = threading.Lock()
